@@ -1,0 +1,413 @@
+"""Triton kernels for the SAE decoder ops, and the launchers that check, allocate and launch them.
+
+Notation: B rows, K active latents per row, F dictionary size, D model width. ``ACC`` is the
+accumulation dtype (float32, or float64 for float64 inputs).
+
+Data flow of the two losses (see ``ops.py`` for how autograd strings them together):
+
+* TopK: one gather pass (``_sae_decode_fwd_kernel`` with ``IS_LOSS``) reads each active decoder row
+  once and produces the loss, the residual r = recon - target [B, D] and gv[b, k] = <r_b, w_idx>.
+  The backward never touches the decoder again: the weight gradient is a segmented sum of residual
+  rows (``_sae_weight_grad_kernel``) over entries sorted by feature. The residual is B*D floats, so
+  those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
+  deterministic.
+* Hierarchical: the gradient of row (b, j) is v_j * E_j with E_j the suffix sum of the prefix
+  errors, a different vector for every (b, j), so it cannot be rebuilt from O(B*D) data. One fused
+  pass (``_hierarchical_sae_fwd_kernel``) computes the loss, gv, the bias gradient and scatters
+  c * v_j * E_j into an fp32 weight-gradient buffer with atomics; the backward only multiplies by the
+  incoming gradient (skipped on the device when it is 1). Deterministic mode stages the rows instead
+  and reuses the segmented sum.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._registry import INTERPRET
+from .._validate import check_index_range
+from .reference import acc_dtype
+
+# Block-size heuristics, in one place. A gather tile holds BLOCK_K x BLOCK_D elements in registers.
+_GATHER_TILE = 4096 if INTERPRET else 8192
+_SEG_BLOCK_D = 128 if INTERPRET else 512
+_SEG_BLOCK_E = 16
+_SCALE_BLOCK = 1024 if INTERPRET else 4096
+
+
+def _gather_config(K: int, D: int) -> dict:
+    """BLOCK_K covers all K latents of a row; BLOCK_D fills the rest of the register tile."""
+    block_k = triton.next_power_of_2(K)
+    block_d = max(16, min(triton.next_power_of_2(max(D, 1)), _GATHER_TILE // block_k))
+    return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4 if block_k * block_d <= 4096 else 8)
+
+
+def _tl_dtype(dt: torch.dtype):
+    return tl.float64 if dt == torch.float64 else tl.float32
+
+
+@triton.jit
+def _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Indices and values of row ``i_b``; an out-of-range index gets value NaN (never dereferenced)."""
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_idx = tl.load(idx_ptr + i_b * K + o_k, mask=m_k, other=0).to(tl.int64)  # [BLOCK_K]
+    m_ok = m_k & (b_idx >= 0) & (b_idx < F)
+    b_v = tl.load(vals_ptr + i_b * K + o_k, mask=m_k, other=0).to(ACC)  # [BLOCK_K]
+    b_v = tl.where(m_ok | ~m_k, b_v, float("nan"))
+    return o_k, m_k, m_ok, b_idx, b_v
+
+
+@triton.jit
+def _sae_decode_fwd_kernel(
+    idx_ptr,  # [B, K] int32 | int64
+    vals_ptr,  # [B, K]
+    w_ptr,  # [F, D], strides (stride_wf, stride_wd)
+    bias_ptr,  # [D] (HAS_BIAS)
+    tgt_ptr,  # [B, D] (IS_LOSS)
+    out_ptr,  # [B, D]: recon in the output dtype, or the ACC residual recon - target (IS_LOSS)
+    gv_ptr,  # [B, K] ACC: <resid_b, w_idx[b, k]> (IS_LOSS)
+    loss_ptr,  # [B] ACC: sum_d resid[b, d]^2 (IS_LOSS)
+    K,
+    D,
+    F,
+    stride_wf,
+    stride_wd,
+    HAS_BIAS: tl.constexpr,
+    IS_LOSS: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
+    p_rows = w_ptr + b_idx * stride_wf  # [BLOCK_K]
+    b_gv = tl.zeros([BLOCK_K], dtype=ACC)
+    b_loss = tl.zeros([BLOCK_D], dtype=ACC)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        m_w = m_ok[:, None] & m_d[None, :]
+        b_w = tl.load(p_rows[:, None] + o_d[None, :] * stride_wd, mask=m_w, other=0).to(ACC)  # [BLOCK_K, BLOCK_D]
+        b_r = tl.sum(b_v[:, None] * b_w, axis=0)  # [BLOCK_D]
+        if HAS_BIAS:
+            b_r += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
+        if IS_LOSS:
+            b_r -= tl.load(tgt_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)
+            b_loss += b_r * b_r
+            b_gv += tl.sum(b_w * b_r[None, :], axis=1)
+        tl.store(out_ptr + i_b * D + o_d, b_r.to(out_ptr.dtype.element_ty), mask=m_d)
+    if IS_LOSS:
+        tl.store(gv_ptr + i_b * K + o_k, b_gv, mask=m_k)
+        tl.store(loss_ptr + i_b, tl.sum(b_loss, axis=0))
+
+
+@triton.jit
+def _sae_decode_bwd_kernel(
+    idx_ptr,  # [B, K] int32 | int64
+    vals_ptr,  # [B, K]
+    w_ptr,  # [F, D], strides (stride_wf, stride_wd)
+    grad_ptr,  # [B, D] incoming gradient of recon
+    gv_ptr,  # [B, K] out, vals dtype: <grad_b, w_idx[b, k]>
+    K,
+    D,
+    F,
+    stride_wf,
+    stride_wd,
+    ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
+    p_rows = w_ptr + b_idx * stride_wf  # [BLOCK_K]
+    b_gv = tl.zeros([BLOCK_K], dtype=ACC)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_w = tl.load(p_rows[:, None] + o_d[None, :] * stride_wd, mask=m_ok[:, None] & m_d[None, :], other=0).to(ACC)
+        b_g = tl.load(grad_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
+        b_gv += tl.sum(b_w * b_g[None, :], axis=1)
+    b_gv = tl.where(m_ok, b_gv, float("nan"))
+    tl.store(gv_ptr + i_b * K + o_k, b_gv.to(gv_ptr.dtype.element_ty), mask=m_k)
+
+
+@triton.jit
+def _hierarchical_sae_fwd_kernel(
+    idx_ptr,  # [B, K] int32 | int64
+    vals_ptr,  # [B, K]
+    w_ptr,  # [F, D], strides (stride_wf, stride_wd)
+    bias_ptr,  # [D] (HAS_BIAS)
+    tgt_ptr,  # [B, D]
+    gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows
+    gv_ptr,  # [B, K] ACC: c * <E_k, w_idx[b, k]>
+    gb_ptr,  # [B, D] ACC: c * E_0 = c * sum_k e_k (HAS_BIAS)
+    loss_ptr,  # [B] ACC: sum_{k, d} e_k^2
+    K,
+    D,
+    F,
+    stride_wf,
+    stride_wd,
+    scale,  # c = 2 / (B * K * D)
+    HAS_BIAS: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,  # 0: none, 1: atomic scatter into [F, D], 2: staged rows
+    ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
+    p_rows = w_ptr + b_idx * stride_wf  # [BLOCK_K]
+    b_gv = tl.zeros([BLOCK_K], dtype=ACC)
+    b_loss = tl.zeros([BLOCK_D], dtype=ACC)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        m_w = m_ok[:, None] & m_d[None, :]
+        b_w = tl.load(p_rows[:, None] + o_d[None, :] * stride_wd, mask=m_w, other=0).to(ACC)  # [BLOCK_K, BLOCK_D]
+        # prefix errors e_k = bias + sum_{j<=k} v_j w_j - target
+        b_e = tl.cumsum(b_v[:, None] * b_w, axis=0)  # [BLOCK_K, BLOCK_D]
+        b_off = -tl.load(tgt_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
+        if HAS_BIAS:
+            b_off += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
+        b_e = tl.where(m_k[:, None] & m_d[None, :], b_e + b_off[None, :], 0.0)
+        b_loss += tl.sum(b_e * b_e, axis=0)
+        # d loss / d (v_j w_j) = c * E_j, E_j = sum_{k>=j} e_k
+        b_s = tl.cumsum(b_e, axis=0, reverse=True) * scale  # [BLOCK_K, BLOCK_D]
+        b_gv += tl.sum(b_s * b_w, axis=1)
+        if HAS_BIAS:
+            tl.store(gb_ptr + i_b * D + o_d, tl.sum(b_e, axis=0) * scale, mask=m_d)
+        if WEIGHT_GRAD == 1:
+            p_gw = gw_ptr + b_idx[:, None] * D + o_d[None, :]
+            tl.atomic_add(p_gw, b_v[:, None] * b_s, mask=m_w, sem="relaxed")
+        elif WEIGHT_GRAD == 2:
+            p_gw = gw_ptr + (i_b * K + o_k)[:, None] * D + o_d[None, :]
+            tl.store(p_gw, b_v[:, None] * b_s, mask=m_k[:, None] & m_d[None, :])
+    tl.store(gv_ptr + i_b * K + o_k, b_gv, mask=m_k)
+    tl.store(loss_ptr + i_b, tl.sum(b_loss, axis=0))
+
+
+@triton.jit
+def _sae_weight_grad_kernel(
+    seg_ptr,  # [F + 1] int64: feature f owns sorted entries seg[f] .. seg[f + 1] - 1
+    order_ptr,  # [B * K] int64: flat entry ids b * K + k, sorted by feature
+    vals_ptr,  # [B * K] per-entry weights (WEIGHTED)
+    rows_ptr,  # [B, D], or [B * K, D] when ROW_PER_ENTRY
+    scale_ptr,  # [] device scalar factor (HAS_SCALE)
+    gw_ptr,  # [F, D] out
+    K,
+    D,
+    const_scale,
+    WEIGHTED: tl.constexpr,
+    ROW_PER_ENTRY: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """gw[f, d] = scale * sum over entries e of feature f of vals[e] * rows[row(e), d]."""
+    i_f = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    i_start = tl.load(seg_ptr + i_f)
+    i_end = tl.load(seg_ptr + i_f + 1)
+    b_acc = tl.zeros([BLOCK_D], dtype=ACC)
+    for i_e in range(i_start, i_end, BLOCK_E):
+        o_e = i_e + tl.arange(0, BLOCK_E)
+        m_e = o_e < i_end
+        b_ent = tl.load(order_ptr + o_e, mask=m_e, other=0)  # [BLOCK_E]
+        b_row = b_ent if ROW_PER_ENTRY else b_ent // K
+        b_x = tl.load(rows_ptr + b_row[:, None] * D + o_d[None, :], mask=m_e[:, None] & m_d[None, :], other=0).to(ACC)
+        if WEIGHTED:
+            b_x *= tl.load(vals_ptr + b_ent, mask=m_e, other=0).to(ACC)[:, None]
+        b_acc += tl.sum(b_x, axis=0)  # [BLOCK_E, BLOCK_D] -> [BLOCK_D]
+    b_acc *= const_scale
+    if HAS_SCALE:
+        b_acc *= tl.load(scale_ptr).to(ACC)
+    tl.store(gw_ptr + i_f * D + o_d, b_acc.to(gw_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _scale_kernel(
+    x_ptr,  # [N] ACC
+    g_ptr,  # [] scalar factor
+    out_ptr,  # [N]; may be x_ptr (IN_PLACE)
+    N,
+    IN_PLACE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = g * x. In place with g == 1 there is nothing to do, and the program exits at once."""
+    b_g = tl.load(g_ptr).to(tl.float32)
+    if (not IN_PLACE) or (b_g != 1.0):
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        b_x = tl.load(x_ptr + o, mask=m, other=0)
+        tl.store(out_ptr + o, (b_x * tl.load(g_ptr).to(b_x.dtype)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. Inputs are already shape/dtype-checked by the public functions (ops.py); these make
+# the small operands contiguous (the weight is used through its strides, never copied), check the
+# index range, allocate, and launch.
+
+
+def _weight_strides(weight: torch.Tensor):
+    return weight.stride(0), weight.stride(1)
+
+
+def decode_fwd(indices, vals, weight, bias):
+    """recon [B, D] in promote(vals, weight) dtype."""
+    B, K = indices.shape
+    F, D = weight.shape
+    check_index_range("indices", indices, F)
+    out = torch.empty(B, D, device=vals.device, dtype=torch.promote_types(vals.dtype, weight.dtype))
+    if B == 0 or D == 0:
+        return out.zero_()
+    idx, v = indices.contiguous(), vals.contiguous()
+    _sae_decode_fwd_kernel[(B,)](
+        idx, v, weight, bias, None, out, None, None, K, D, F, *_weight_strides(weight),
+        HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc_dtype(vals, weight, bias)),
+        **_gather_config(K, D),
+    )
+    return out
+
+
+def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None, const_scale=1.0,
+                row_per_entry=False):
+    """Segmented sum: out[f] = const_scale * scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
+
+    ``row(e) = e // K`` (rows is [B, D]) or ``e`` (``row_per_entry``, rows is [B * K, D]).
+    ``entry_weights`` is ``vals`` ([B, K]) or None for weight 1. ``scale`` is an optional device scalar.
+    Entries are sorted stably by feature, so the sum order, and the result, is fixed run to run.
+    """
+    B, K = indices.shape
+    D = rows.shape[-1]
+    out = torch.empty(num_features, D, device=rows.device, dtype=out_dtype)
+    if num_features == 0 or D == 0:
+        return out
+    keys = indices.reshape(-1)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    seg = torch.searchsorted(sorted_keys, torch.arange(num_features + 1, device=keys.device, dtype=keys.dtype))
+    grid = (num_features, triton.cdiv(D, _SEG_BLOCK_D))
+    _sae_weight_grad_kernel[grid](
+        seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
+        K, D, const_scale,
+        WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
+        ACC=_tl_dtype(acc_dtype(rows)), BLOCK_E=_SEG_BLOCK_E, BLOCK_D=_SEG_BLOCK_D,
+    )
+    return out
+
+
+def decode_bwd(grad, indices, vals, weight, need_weight_grad):
+    """(grad_vals [B, K] vals dtype, grad_weight [F, D] weight dtype or [0], grad_bias [D] ACC)."""
+    B, K = indices.shape
+    F, D = weight.shape
+    check_index_range("indices", indices, F)
+    acc = acc_dtype(vals, weight, grad)
+    grad = grad.contiguous()
+    grad_vals = torch.empty(B, K, device=vals.device, dtype=vals.dtype)
+    if B > 0:
+        _sae_decode_bwd_kernel[(B,)](
+            indices.contiguous(), vals.contiguous(), weight, grad, grad_vals, K, D, F, *_weight_strides(weight),
+            ACC=_tl_dtype(acc), **_gather_config(K, D),
+        )
+    grad_bias = grad.to(acc).sum(0)
+    grad_weight = (weight_grad(indices, grad, vals, F, weight.dtype) if need_weight_grad
+                   else weight.new_empty(0))
+    return grad_vals, grad_weight, grad_bias
+
+
+def topk_loss_fwd(indices, weight, vals, bias, target):
+    """(loss [] ACC, resid [B, D] ACC, gv [B, K] ACC)."""
+    B, K = indices.shape
+    F, D = weight.shape
+    check_index_range("indices", indices, F)
+    acc = acc_dtype(weight, vals, bias, target)
+    resid = torch.empty(B, D, device=vals.device, dtype=acc)
+    gv = torch.empty(B, K, device=vals.device, dtype=acc)
+    row_loss = torch.empty(B, device=vals.device, dtype=acc)
+    if B > 0 and D > 0:
+        _sae_decode_fwd_kernel[(B,)](
+            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss,
+            K, D, F, *_weight_strides(weight),
+            HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **_gather_config(K, D),
+        )
+    else:
+        for t in (resid, gv, row_loss):
+            t.zero_()
+    return row_loss.sum() / max(B * D, 1), resid, gv
+
+
+def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad):
+    """Gradients of the TopK loss scaled by grad_loss (a device scalar: no host sync)."""
+    B, D = resid.shape
+    c = 2.0 / max(B * D, 1)
+    g = grad_loss.to(resid.dtype)
+    grad_vals = (gv * (g * c)).to(vals.dtype)
+    grad_bias = resid.sum(0) * (g * c)
+    grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=g, const_scale=c)
+                   if need_weight_grad else weight.new_empty(0))
+    return grad_vals, grad_weight, grad_bias
+
+
+def hierarchical_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+    """(loss [] ACC, gw [F, D] ACC or [0], gv [B, K] ACC, gb [D] ACC); gradients pre-scaled by 2/(B*K*D)."""
+    B, K = indices.shape
+    F, D = weight.shape
+    check_index_range("indices", indices, F)
+    acc = acc_dtype(weight, vals, bias, target)
+    dev = vals.device
+    c = 2.0 / max(B * K * D, 1)
+    gv = torch.empty(B, K, device=dev, dtype=acc)
+    gb_rows = torch.empty(B if bias is not None else 0, D, device=dev, dtype=acc)
+    row_loss = torch.empty(B, device=dev, dtype=acc)
+    mode = 0
+    if need_weight_grad:
+        mode = 2 if deterministic else 1
+        staged = (torch.empty(B * K, D, device=dev, dtype=acc) if deterministic
+                  else torch.zeros(F, D, device=dev, dtype=acc))
+    else:
+        staged = None
+    if B > 0 and D > 0:
+        _hierarchical_sae_fwd_kernel[(B,)](
+            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), staged, gv, gb_rows,
+            row_loss, K, D, F, *_weight_strides(weight), c,
+            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), **_gather_config(K, D),
+        )
+    else:
+        for t in (gv, gb_rows, row_loss):
+            t.zero_()
+        if mode == 2:
+            staged.zero_()
+    if mode == 2:
+        gw = weight_grad(indices, staged, None, F, acc, row_per_entry=True)
+    elif mode == 1:
+        gw = staged
+    else:
+        gw = torch.empty(0, device=dev, dtype=acc)
+    gb = gb_rows.sum(0) if bias is not None else torch.zeros(D, device=dev, dtype=acc)
+    return row_loss.sum() * (c / 2), gw, gv, gb
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out = g * x (out defaults to x, in place; then g == 1 costs one launch and no memory traffic)."""
+    in_place = out is None
+    out = x if in_place else out
+    n = x.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](x, g, out, n, IN_PLACE=in_place, BLOCK=_SCALE_BLOCK)
+    return out
+
+
+def hierarchical_loss_bwd(grad_loss, gw, gv, gb, vals_dtype, weight_dtype):
+    """Scale the forward's pre-computed gradients by grad_loss (see reference.hierarchical_sae_loss_bwd)."""
+    g = grad_loss.to(gv.dtype)
+    if gw.dtype == weight_dtype or gw.numel() == 0:
+        scale_(gw, g)
+        grad_weight = gw.new_empty(0, dtype=weight_dtype)
+    else:
+        grad_weight = scale_(gw, g, out=torch.empty(gw.shape, device=gw.device, dtype=weight_dtype))
+    return (gv * g).to(vals_dtype), grad_weight, gb * g

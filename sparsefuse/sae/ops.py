@@ -1,0 +1,258 @@
+"""Registered ops and the public functions for SAE decoders.
+
+Shapes: ``indices [B, K]`` (int32 or int64, values in [0, F)), ``vals [B, K]``, ``weight [F, D]``,
+``bias [D]`` or None, ``target [B, D]``. Floating inputs may be float16, bfloat16, float32 or
+float64 and may differ from one another; arithmetic is float32 (float64 if any input is float64).
+Each gradient comes back in its parameter's dtype; ``indices`` and ``target`` get none.
+Any B >= 0, K >= 1, D >= 0 and F >= 1; inputs need not be contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._registry import register_op
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from . import kernels, reference
+
+
+def _check_inputs(indices, weight, vals, bias=None, target=None):
+    check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
+    F, D = weight.shape
+    dev = weight.device
+    check_tensor("indices", indices, shape=(None, None), dtypes=INDEX_DTYPES, device=dev)
+    B, K = indices.shape
+    if K < 1:
+        raise ValueError(f"indices must have at least one column (K >= 1), got shape {tuple(indices.shape)}")
+    if F < 1:
+        raise ValueError(f"weight must have at least one row (F >= 1), got shape {tuple(weight.shape)}")
+    check_tensor("vals", vals, shape=(B, K), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("bias", bias, shape=(D,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
+    if target is not None:
+        check_tensor("target", target, shape=(B, D), dtypes=FLOAT_DTYPES, device=dev)
+
+
+def _use_deterministic(deterministic: Optional[bool]) -> bool:
+    return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+
+
+def _needs_weight_grad(weight: Tensor) -> bool:
+    return torch.is_grad_enabled() and weight.requires_grad
+
+
+# --- sae_decode ------------------------------------------------------------------------------
+
+
+def _decode_fake(indices, vals, weight, bias):
+    return vals.new_empty(indices.shape[0], weight.shape[1], dtype=torch.promote_types(vals.dtype, weight.dtype))
+
+
+def _decode_bwd_fake(grad, indices, vals, weight, need_weight_grad):
+    grad_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
+    return torch.empty_like(vals), grad_weight, grad.new_empty(weight.shape[1], dtype=reference.acc_dtype(vals, weight, grad))
+
+
+@register_op("sae_decode_bwd", fake=_decode_bwd_fake, reference=reference.sae_decode_bwd)
+def _decode_bwd_op(
+    grad: Tensor, indices: Tensor, vals: Tensor, weight: Tensor, need_weight_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels.decode_bwd(grad, indices, vals, weight, need_weight_grad)
+
+
+def _decode_setup(ctx, inputs, output):
+    indices, vals, weight, bias = inputs
+    ctx.save_for_backward(indices, vals, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _decode_backward(ctx, grad):
+    indices, vals, weight = ctx.saved_tensors
+    _, need_vals, need_weight, need_bias = ctx.needs_input_grad
+    gv, gw, gb = _decode_bwd_op(grad, indices, vals, weight, need_weight)
+    return (None, gv if need_vals else None, gw if need_weight else None,
+            gb.to(ctx.bias_dtype) if need_bias else None)
+
+
+@register_op("sae_decode", fake=_decode_fake, reference=reference.sae_decode_fwd,
+             backward=_decode_backward, setup_context=_decode_setup)
+def _decode_op(indices: Tensor, vals: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return kernels.decode_fwd(indices, vals, weight, bias)
+
+
+def sae_decode(indices: Tensor, vals: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """Sparse embedding bag: ``recon[b] = bias + sum_k vals[b, k] * weight[indices[b, k]]``.
+
+    Args:
+        indices: ``[B, K]`` int32/int64 latent ids in ``[0, F)``.
+        vals: ``[B, K]`` latent activations.
+        weight: ``[F, D]`` decoder dictionary.
+        bias: ``[D]`` decoder bias, or None.
+
+    Returns:
+        ``[B, D]`` in ``promote_types(vals.dtype, weight.dtype)``, accumulated in float32.
+        Differentiable in ``vals``, ``weight`` and ``bias``; the weight gradient is a deterministic
+        segmented sum (no atomics).
+    """
+    _check_inputs(indices, weight, vals, bias)
+    return _decode_op(indices, vals, weight, bias)
+
+
+# --- topk_sae_loss ---------------------------------------------------------------------------
+
+
+def _topk_fake(indices, weight, vals, bias, target):
+    acc = reference.acc_dtype(weight, vals, bias, target)
+    B, K = indices.shape
+    return vals.new_empty((), dtype=acc), vals.new_empty(B, weight.shape[1], dtype=acc), vals.new_empty(B, K, dtype=acc)
+
+
+def _topk_bwd_fake(grad_loss, indices, vals, weight, resid, gv, need_weight_grad):
+    grad_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
+    return torch.empty_like(vals), grad_weight, resid.new_empty(resid.shape[1])
+
+
+@register_op("topk_sae_loss_bwd", fake=_topk_bwd_fake, reference=reference.topk_sae_loss_bwd)
+def _topk_bwd_op(
+    grad_loss: Tensor, indices: Tensor, vals: Tensor, weight: Tensor, resid: Tensor, gv: Tensor,
+    need_weight_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels.topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
+
+
+def _topk_setup(ctx, inputs, output):
+    indices, weight, vals, bias, target = inputs
+    _, resid, gv = output
+    ctx.mark_non_differentiable(resid, gv)
+    ctx.save_for_backward(indices, vals, weight, resid, gv)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _topk_backward(ctx, grad_loss, _grad_resid, _grad_gv):
+    indices, vals, weight, resid, gv = ctx.saved_tensors
+    _, need_weight, need_vals, need_bias, _ = ctx.needs_input_grad
+    gvals, gw, gb = _topk_bwd_op(grad_loss, indices, vals, weight, resid, gv, need_weight)
+    return (None, gw if need_weight else None, gvals if need_vals else None,
+            gb.to(ctx.bias_dtype) if need_bias else None, None)
+
+
+@register_op("topk_sae_loss", fake=_topk_fake, reference=reference.topk_sae_loss_fwd,
+             backward=_topk_backward, setup_context=_topk_setup)
+def _topk_op(
+    indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels.topk_loss_fwd(indices, weight, vals, bias, target)
+
+
+def topk_sae_loss(
+    indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
+    *, deterministic: Optional[bool] = None,
+) -> Tensor:
+    """TopK SAE reconstruction loss, fused with the decoder.
+
+    ``loss = 1/(B*D) * sum_{b,d} (bias_d + sum_k vals[b,k] * weight[indices[b,k], d] - target[b,d])^2``
+
+    Args:
+        indices: ``[B, K]`` int32/int64 in ``[0, F)``.
+        weight: ``[F, D]`` decoder dictionary.
+        vals: ``[B, K]`` activations of the selected latents.
+        bias: ``[D]`` decoder bias, or None.
+        target: ``[B, D]`` the input being reconstructed.
+        deterministic: accepted for symmetry; this loss is always bit-reproducible (the weight
+            gradient is a segmented sum, not atomics).
+
+    Returns:
+        A float32 scalar (float64 for float64 inputs). B = 0 gives 0 with zero gradients.
+        The decoder is read once in the forward pass; the backward reuses the saved residual.
+    """
+    del deterministic
+    _check_inputs(indices, weight, vals, bias, target)
+    return _topk_op(indices, weight, vals, bias, target)[0]
+
+
+# --- hierarchical_sae_loss -------------------------------------------------------------------
+
+
+def _hier_fake(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+    acc = reference.acc_dtype(weight, vals, bias, target)
+    gw = vals.new_empty(weight.shape, dtype=acc) if need_weight_grad else vals.new_empty(0, dtype=acc)
+    return (vals.new_empty((), dtype=acc), gw, vals.new_empty(indices.shape, dtype=acc),
+            vals.new_empty(weight.shape[1], dtype=acc))
+
+
+def _hier_reference(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+    return reference.hierarchical_sae_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic)
+
+
+def _hier_bwd_fake(grad_loss, gw, gv, gb, vals_dtype, weight_dtype):
+    in_place = gw.numel() == 0 or gw.dtype == weight_dtype
+    grad_weight = gw.new_empty(0, dtype=weight_dtype) if in_place else gw.new_empty(gw.shape, dtype=weight_dtype)
+    return gv.new_empty(gv.shape, dtype=vals_dtype), grad_weight, torch.empty_like(gb)
+
+
+@register_op("hierarchical_sae_loss_bwd", fake=_hier_bwd_fake, mutates_args=("gw",),
+             reference=reference.hierarchical_sae_loss_bwd)
+def _hier_bwd_op(
+    grad_loss: Tensor, gw: Tensor, gv: Tensor, gb: Tensor, vals_dtype: torch.dtype, weight_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Apply the incoming gradient. When ``gw`` already has the weight's dtype it is scaled in place
+    and the returned grad_weight is empty (``gw`` is then the gradient): one fp32 copy, not two."""
+    return kernels.hierarchical_loss_bwd(grad_loss, gw, gv, gb, vals_dtype, weight_dtype)
+
+
+def _hier_setup(ctx, inputs, output):
+    indices, weight, vals, bias, target, need_weight_grad, deterministic = inputs
+    _, gw, gv, gb = output
+    ctx.mark_non_differentiable(gw, gv, gb)
+    ctx.save_for_backward(gw, gv, gb)
+    ctx.dtypes = (vals.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+
+def _hier_backward(ctx, grad_loss, _grad_gw, _grad_gv, _grad_gb):
+    gw, gv, gb = ctx.saved_tensors
+    vals_dtype, weight_dtype, bias_dtype = ctx.dtypes
+    _, need_weight, need_vals, need_bias, _, _, _ = ctx.needs_input_grad
+    gvals, grad_weight, gbias = _hier_bwd_op(grad_loss, gw, gv, gb, vals_dtype, weight_dtype)
+    if need_weight and gw.numel() == 0:
+        raise RuntimeError(
+            "hierarchical_sae_loss: the weight gradient was not computed in the forward pass "
+            "(weight did not require grad, or grad mode was off, when the loss was computed)"
+        )
+    if need_weight and grad_weight.numel() == 0:
+        grad_weight = gw  # scaled in place by the backward op
+    return (None, grad_weight if need_weight else None, gvals if need_vals else None,
+            gbias.to(bias_dtype) if need_bias else None, None, None, None)
+
+
+@register_op("hierarchical_sae_loss", fake=_hier_fake, reference=_hier_reference,
+             backward=_hier_backward, setup_context=_hier_setup)
+def _hier_op(
+    indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
+    need_weight_grad: bool, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return kernels.hierarchical_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic)
+
+
+def hierarchical_sae_loss(
+    indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
+    *, deterministic: Optional[bool] = None,
+) -> Tensor:
+    """HierarchicalTopK loss (arXiv 2505.24473): the mean of the K prefix TopK losses.
+
+    ``loss = 1/(B*K*D) * sum_{b,k,d} (bias_d + sum_{j<=k} vals[b,j] * weight[indices[b,j], d] - target[b,d])^2``
+
+    The order along K defines the prefixes: pass the latents sorted by activation, largest first,
+    so that prefix k is the k-sparse reconstruction. Same arguments, dtypes and B = 0 rule as
+    :func:`topk_sae_loss`.
+
+    The decoder is read once: the forward pass also computes every gradient (pre-scaled, in fp32)
+    when ``weight`` requires grad, and the backward multiplies by the incoming gradient. The weight
+    gradient is scattered with fp32 atomics (sum order varies in the last bits run to run) unless
+    ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)``, which stages the B*K
+    gradient rows (B*K*D extra floats) and reduces them in a fixed order instead.
+    """
+    _check_inputs(indices, weight, vals, bias, target)
+    return _hier_op(indices, weight, vals, bias, target, _needs_weight_grad(weight),
+                    _use_deterministic(deterministic))[0]

@@ -1,0 +1,135 @@
+"""Exact PyTorch references for the SAE decoder ops.
+
+Two kinds of function live here:
+
+* ``sae_decode``, ``topk_sae_loss``, ``hierarchical_sae_loss``: the plain math, differentiable by
+  autograd. Tests compare the kernels against them in float64; benchmarks time them in eager mode
+  and under ``torch.compile``.
+* ``*_fwd`` / ``*_bwd``: the same math split the way the registered ops split it (forward saves a
+  small residual, backward applies the incoming gradient), with explicit gradient formulas. They are
+  the ops' CPU implementation when the Triton interpreter is off.
+
+Notation: B rows, K active latents per row, F dictionary size, D model width. Empty reductions
+(B = 0 or D = 0) divide by 1, so the loss is 0 and every gradient is zero rather than NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def acc_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
+    """Accumulation dtype: float64 if any input is float64, else float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def sae_decode(indices, vals, weight, bias=None):
+    """recon[b] = bias + sum_k vals[b, k] * weight[indices[b, k]]  ->  [B, D] in the promoted dtype."""
+    out = torch.einsum("bk,bkd->bd", vals, weight[indices.long()].to(vals.dtype))
+    return out if bias is None else out + bias
+
+
+def topk_sae_loss(indices, weight, vals, bias, target):
+    """mean over B*D of (sae_decode(...) - target)^2, as a float32 (float64 for float64 inputs) scalar."""
+    dt = acc_dtype(weight, vals, bias, target)
+    recon = sae_decode(indices, vals.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+    return (recon - target.to(dt)).square().sum() / max(target.numel(), 1)
+
+
+def hierarchical_sae_loss(indices, weight, vals, bias, target):
+    """Mean over k = 1..K of the TopK loss of the prefix reconstruction that uses latents 0..k-1."""
+    dt = acc_dtype(weight, vals, bias, target)
+    contrib = vals.to(dt).unsqueeze(-1) * weight.to(dt)[indices.long()]  # [B, K, D]
+    prefix = contrib.cumsum(1) - target.to(dt).unsqueeze(1)
+    if bias is not None:
+        prefix = prefix + bias.to(dt)
+    return prefix.square().sum() / max(prefix.numel(), 1)
+
+
+def _scatter_rows(indices, rows, num_features):
+    """grad[f] = sum of rows[e] over entries e with indices.flat[e] == f (rows: [B*K, D])."""
+    out = rows.new_zeros(num_features, rows.shape[-1])
+    return out.index_add_(0, indices.reshape(-1).long(), rows)
+
+
+def sae_decode_fwd(indices, vals, weight, bias):
+    dt = acc_dtype(weight, vals, bias)
+    out = sae_decode(indices, vals.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+    return out.to(torch.promote_types(vals.dtype, weight.dtype))
+
+
+def sae_decode_bwd(grad, indices, vals, weight, need_weight_grad):
+    dt = acc_dtype(weight, vals, grad)
+    g = grad.to(dt)
+    rows = weight.to(dt)[indices.long()]  # [B, K, D]
+    grad_vals = torch.einsum("bkd,bd->bk", rows, g).to(vals.dtype)
+    grad_bias = g.sum(0)
+    if need_weight_grad:
+        per_entry = (vals.to(dt).unsqueeze(-1) * g.unsqueeze(1)).reshape(-1, g.shape[-1])
+        grad_weight = _scatter_rows(indices, per_entry, weight.shape[0]).to(weight.dtype)
+    else:
+        grad_weight = weight.new_empty(0)
+    return grad_vals, grad_weight, grad_bias
+
+
+def topk_sae_loss_fwd(indices, weight, vals, bias, target):
+    """Returns (loss, resid [B, D], gv [B, K]) with resid = recon - target, gv = <resid, w_idx>."""
+    dt = acc_dtype(weight, vals, bias, target)
+    rows = weight.to(dt)[indices.long()]
+    resid = torch.einsum("bk,bkd->bd", vals.to(dt), rows) - target.to(dt)
+    if bias is not None:
+        resid = resid + bias.to(dt)
+    loss = resid.square().sum() / max(resid.numel(), 1)
+    gv = torch.einsum("bkd,bd->bk", rows, resid)
+    return loss.to(dt), resid, gv
+
+
+def topk_sae_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad):
+    scale = grad_loss.to(resid.dtype) * (2.0 / max(resid.numel(), 1))
+    grad_vals = (gv * scale).to(vals.dtype)
+    grad_bias = resid.sum(0) * scale
+    if need_weight_grad:
+        per_entry = (vals.to(resid.dtype).unsqueeze(-1) * resid.unsqueeze(1)).reshape(-1, resid.shape[-1])
+        grad_weight = (_scatter_rows(indices, per_entry, weight.shape[0]) * scale).to(weight.dtype)
+    else:
+        grad_weight = weight.new_empty(0)
+    return grad_vals, grad_weight, grad_bias
+
+
+def hierarchical_sae_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+    """Returns (loss, gw [F, D] or [0], gv [B, K], gb [D]), all gradients already scaled by 2/(B*K*D).
+
+    With prefix errors e_k = bias + sum_{j<=k} u_j - target (u_j = vals_j * w_idx_j) and suffix sums
+    E_j = sum_{k>=j} e_k: d loss / d u_j = c * E_j, with c = 2 / (B*K*D).
+    """
+    del deterministic  # the CPU path is deterministic anyway
+    dt = acc_dtype(weight, vals, bias, target)
+    B, K = indices.shape
+    rows = weight.to(dt)[indices.long()]
+    v = vals.to(dt)
+    err = (v.unsqueeze(-1) * rows).cumsum(1) - target.to(dt).unsqueeze(1)
+    if bias is not None:
+        err = err + bias.to(dt)
+    c = 2.0 / max(err.numel(), 1)
+    loss = err.square().sum() * (c / 2)
+    suffix = err.flip(1).cumsum(1).flip(1)  # [B, K, D]
+    gv = torch.einsum("bkd,bkd->bk", suffix, rows) * c
+    gb = suffix[:, 0].sum(0) * c if K > 0 else err.new_zeros(err.shape[-1])
+    if need_weight_grad:
+        gw = _scatter_rows(indices, (v.unsqueeze(-1) * suffix).reshape(-1, err.shape[-1]), weight.shape[0]) * c
+    else:
+        gw = err.new_empty(0)
+    return loss, gw, gv, gb
+
+
+def hierarchical_sae_loss_bwd(grad_loss, gw, gv, gb, vals_dtype, weight_dtype):
+    """Scale the pre-computed gradients by grad_loss; gw is scaled in place when its dtype is the weight's."""
+    g = grad_loss.to(gv.dtype)
+    if gw.dtype == weight_dtype or gw.numel() == 0:
+        gw.mul_(g)
+        grad_weight = gw.new_empty(0, dtype=weight_dtype)
+    else:
+        grad_weight = (gw * g).to(weight_dtype)
+    return (gv * g).to(vals_dtype), grad_weight, gb * g
