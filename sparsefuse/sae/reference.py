@@ -34,14 +34,16 @@ def sae_decode(indices, vals, weight, bias=None):
 def topk_sae_loss(indices, weight, vals, bias, target):
     """mean over B*D of (sae_decode(...) - target)^2, as a float32 (float64 for float64 inputs) scalar."""
     dt = acc_dtype(weight, vals, bias, target)
-    recon = sae_decode(indices, vals.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
-    return (recon - target.to(dt)).square().sum() / max(target.numel(), 1)
+    recon = torch.einsum("bk,bkd->bd", vals.to(dt), weight[indices.long()].to(dt)) - target.to(dt)
+    if bias is not None:
+        recon = recon + bias.to(dt)
+    return recon.square().sum() / max(target.numel(), 1)
 
 
 def hierarchical_sae_loss(indices, weight, vals, bias, target):
     """Mean over k = 1..K of the TopK loss of the prefix reconstruction that uses latents 0..k-1."""
     dt = acc_dtype(weight, vals, bias, target)
-    contrib = vals.to(dt).unsqueeze(-1) * weight.to(dt)[indices.long()]  # [B, K, D]
+    contrib = vals.to(dt).unsqueeze(-1) * weight[indices.long()].to(dt)  # [B, K, D]
     prefix = contrib.cumsum(1) - target.to(dt).unsqueeze(1)
     if bias is not None:
         prefix = prefix + bias.to(dt)
@@ -56,14 +58,16 @@ def _scatter_rows(indices, rows, num_features):
 
 def sae_decode_fwd(indices, vals, weight, bias):
     dt = acc_dtype(weight, vals, bias)
-    out = sae_decode(indices, vals.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+    out = torch.einsum("bk,bkd->bd", vals.to(dt), weight[indices.long()].to(dt))
+    if bias is not None:
+        out = out + bias.to(dt)
     return out.to(torch.promote_types(vals.dtype, weight.dtype))
 
 
 def sae_decode_bwd(grad, indices, vals, weight, need_weight_grad):
     dt = acc_dtype(weight, vals, grad)
     g = grad.to(dt)
-    rows = weight.to(dt)[indices.long()]  # [B, K, D]
+    rows = weight[indices.long()].to(dt)  # [B, K, D]
     grad_vals = torch.einsum("bkd,bd->bk", rows, g).to(vals.dtype)
     grad_bias = g.sum(0)
     if need_weight_grad:
@@ -77,7 +81,7 @@ def sae_decode_bwd(grad, indices, vals, weight, need_weight_grad):
 def topk_sae_loss_fwd(indices, weight, vals, bias, target):
     """Returns (loss, resid [B, D], gv [B, K]) with resid = recon - target, gv = <resid, w_idx>."""
     dt = acc_dtype(weight, vals, bias, target)
-    rows = weight.to(dt)[indices.long()]
+    rows = weight[indices.long()].to(dt)
     resid = torch.einsum("bk,bkd->bd", vals.to(dt), rows) - target.to(dt)
     if bias is not None:
         resid = resid + bias.to(dt)
@@ -107,7 +111,7 @@ def hierarchical_sae_loss_fwd(indices, weight, vals, bias, target, need_weight_g
     del deterministic  # the CPU path is deterministic anyway
     dt = acc_dtype(weight, vals, bias, target)
     B, K = indices.shape
-    rows = weight.to(dt)[indices.long()]
+    rows = weight[indices.long()].to(dt)
     v = vals.to(dt)
     err = (v.unsqueeze(-1) * rows).cumsum(1) - target.to(dt).unsqueeze(1)
     if bias is not None:

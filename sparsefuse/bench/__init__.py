@@ -1,0 +1,10 @@
+"""Benchmarks: ``sparsefuse bench <family>``. One harness (``harness.py``), one module per family."""
+
+import importlib
+
+FAMILIES = ("sae",)
+
+
+def family(name: str):
+    """The benchmark module of one family (``cases``, ``render``, ``check``)."""
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,210 @@
+"""The one benchmark harness: timing, peak memory, result files, README tables and plots.
+
+A family module (``sparsefuse/bench/sae.py`` and friends) builds ``Case`` objects (one op, one
+provider, one shape, one dtype) and hands them to :func:`run_cases`. Each case is timed with
+``triton.testing.do_bench`` (median and 20/80 % quantiles, after warm-up) on random data, and its
+peak extra memory is read from the CUDA caching allocator. Results are merged into
+``<out>/<family>.json`` keyed by (op, provider, shape, dtype, mode, GPU, version); :func:`render`
+turns the JSON into the README table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .. import __version__
+
+RESULTS_DIR = os.path.join("benchmarks", "results")
+
+
+@dataclass
+class Case:
+    """One measurement. ``make`` builds fresh inputs and returns a zero-argument callable to time."""
+
+    op: str
+    provider: str
+    shape: dict
+    dtype: str
+    mode: str  # "fwd" or "full" (forward + backward)
+    make: Callable[[], Callable[[], object]]
+    bytes_moved: Optional[int] = None  # minimal HBM traffic, for the GB/s column
+    flops: Optional[int] = None
+
+
+@dataclass
+class Result:
+    op: str
+    provider: str
+    shape: dict
+    dtype: str
+    mode: str
+    ms: float
+    ms_q20: float
+    ms_q80: float
+    peak_extra_mib: float
+    gbps: Optional[float] = None
+    tflops: Optional[float] = None
+    gpu: str = ""
+    version: str = __version__
+    torch: str = torch.__version__
+    extra: dict = field(default_factory=dict)
+
+    def key(self):
+        return (self.op, self.provider, json.dumps(self.shape, sort_keys=True), self.dtype, self.mode, self.gpu,
+                self.version)
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def measure(case: Case, *, warmup_ms: int = 50, rep_ms: int = 300) -> Result:
+    """Time one case (median of do_bench) and record its peak extra memory."""
+    from triton.testing import do_bench
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    fn = case.make()
+    fn()  # compile / autotune / warm caches outside the measurement
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    q20, med, q80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+    del fn
+    return Result(
+        op=case.op, provider=case.provider, shape=case.shape, dtype=case.dtype, mode=case.mode,
+        ms=med, ms_q20=q20, ms_q80=q80, peak_extra_mib=peak / 2**20,
+        gbps=None if case.bytes_moved is None else case.bytes_moved / med / 1e6,
+        tflops=None if case.flops is None else case.flops / med / 1e9,
+        gpu=gpu_name(),
+    )
+
+
+def run_cases(cases, *, log=print) -> list:
+    results = []
+    for case in cases:
+        try:
+            r = measure(case)
+        except torch.cuda.OutOfMemoryError as e:  # the eager reference can exceed the card at large K
+            log(f"  {case.op:<14} {case.provider:<14} {case.dtype:<9} {case.shape}  out of memory ({e.__class__.__name__})")
+            torch.cuda.empty_cache()
+            continue
+        results.append(r)
+        log(f"  {r.op:<14} {r.provider:<14} {r.dtype:<9} {_shape_str(r.shape):<28} {r.mode:<5} "
+            f"{r.ms:8.3f} ms  {r.peak_extra_mib:9.1f} MiB" + (f"  {r.gbps:7.0f} GB/s" if r.gbps else ""))
+    return results
+
+
+def _shape_str(shape: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def save(results: list, family: str, out_dir: str = RESULTS_DIR) -> str:
+    """Merge results into ``<out_dir>/<family>.json`` (new results replace old ones with the same key)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{family}.json")
+    merged = {}
+    for r in load(family, out_dir) + results:
+        merged[r.key()] = r
+    with open(path, "w") as f:
+        json.dump([asdict(r) for r in merged.values()], f, indent=1)
+    return path
+
+
+def load(family: str, out_dir: str = RESULTS_DIR) -> list:
+    path = os.path.join(out_dir, f"{family}.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [Result(**d) for d in json.load(f)]
+
+
+def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch", "torch.compile"),
+                  mode: str = "full", shape_keys: Optional[list] = None) -> str:
+    """Markdown: one row per (op, dtype, shape); ms for each provider and our speed-up over each baseline."""
+    rows = {}
+    for r in results:
+        if r.mode != mode:
+            continue
+        key = (r.op, r.dtype, json.dumps(r.shape, sort_keys=True))
+        rows.setdefault(key, {})[r.provider] = r
+    keys = shape_keys
+    head = ["op", "dtype", "shape", f"{ours} ms"] + [f"{b} ms" for b in baselines]
+    head += [f"vs {b}" for b in baselines] + [f"{ours} peak MiB", f"{ours} GB/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (op, dtype, shape_json), by in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        shape = json.loads(shape_json)
+        us = by.get(ours)
+        if us is None:
+            continue
+        shape_txt = " ".join(f"{k}={shape[k]}" for k in (keys or shape))
+        cells = [op, dtype, shape_txt, f"{us.ms:.3f}"]
+        cells += [f"{by[b].ms:.3f}" if b in by else "—" for b in baselines]
+        cells += [f"**{by[b].ms / us.ms:.2f}×**" if b in by else "—" for b in baselines]
+        cells += [f"{us.peak_extra_mib:.0f}", f"{us.gbps:.0f}" if us.gbps else "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    gpus = sorted({r.gpu for r in results})
+    lines.append("")
+    lines.append(f"Measured on {', '.join(gpus)}; median of `triton.testing.do_bench`; mode `{mode}` "
+                 "(forward + backward unless stated); peak MiB is the extra memory the call allocates, "
+                 "gradients included.")
+    return "\n".join(lines)
+
+
+def update_readme(section: str, text: str, readme: str = "README.md") -> bool:
+    """Replace the text between ``<!-- bench:<section> -->`` and ``<!-- /bench:<section> -->``."""
+    if not os.path.exists(readme):
+        return False
+    with open(readme) as f:
+        content = f.read()
+    start, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    if start not in content or end not in content:
+        return False
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    with open(readme, "w") as f:
+        f.write(f"{head}{start}\n{text}\n{end}{tail}")
+    return True
+
+
+def plot(results: list, path: str, *, title: str, x_key: str, mode: str = "full") -> Optional[str]:
+    """Bar chart of ms per provider against ``x_key``, one panel per (op, dtype)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = sorted({(r.op, r.dtype) for r in results if r.mode == mode})
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (op, dtype) in zip(axes[0], panels):
+        sub = [r for r in results if r.op == op and r.dtype == dtype and r.mode == mode]
+        xs = sorted({r.shape[x_key] for r in sub})
+        providers = sorted({r.provider for r in sub}, key=lambda p: (p != "sparsefuse", p))
+        width = 0.8 / max(len(providers), 1)
+        for i, p in enumerate(providers):
+            ms = [next((r.ms for r in sub if r.provider == p and r.shape[x_key] == x), float("nan")) for x in xs]
+            ax.bar([j + i * width for j in range(len(xs))], ms, width, label=p)
+        ax.set_xticks([j + width * (len(providers) - 1) / 2 for j in range(len(xs))], [str(x) for x in xs])
+        ax.set_xlabel(x_key)
+        ax.set_ylabel("ms (lower is better)")
+        ax.set_title(f"{op} {dtype}")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,106 @@
+"""``sparsefuse bench sae``: TopK and HierarchicalTopK decoder losses, forward + backward.
+
+Providers: ``sparsefuse`` (the fused ops), ``torch`` (the reference in eager mode) and
+``torch.compile`` (the same reference compiled, static shapes). Default shape: F = 65536,
+D = 2304, B = 4096, K in {32, 64, 128}, float32 and bfloat16.
+
+GB/s counts the traffic no implementation can avoid: the B*K active decoder rows read once, the
+target read once, and the dense weight gradient written once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import hierarchical_sae_loss, topk_sae_loss
+from ..sae import reference
+from . import harness
+
+FAMILY = "sae"
+OPS = {
+    "topk": (topk_sae_loss, reference.topk_sae_loss),
+    "hierarchical": (hierarchical_sae_loss, reference.hierarchical_sae_loss),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_inputs(B, K, F, D, dtype, device, *, seed=0):
+    """Random SAE decoder inputs: distinct latents per row, sorted by activation (largest first)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.rand(B, F, device=device, generator=g).topk(K, dim=1).indices.int()
+    vals = torch.rand(B, K, device=device, generator=g).sort(dim=1, descending=True).values
+    weight = torch.randn(F, D, device=device, generator=g) / D**0.5
+    bias = torch.randn(D, device=device, generator=g) * 0.1
+    target = torch.randn(B, D, device=device, generator=g)
+    return idx, weight.to(dtype), vals.to(dtype), bias.to(dtype), target.to(dtype)
+
+
+def _case(op_name, provider, fn, B, K, F, D, dtype_name):
+    dtype = DTYPES[dtype_name]
+
+    def make():
+        idx, weight, vals, bias, target = make_inputs(B, K, F, D, dtype, "cuda")
+        params = [weight.requires_grad_(), vals.requires_grad_(), bias.requires_grad_()]
+        return lambda: torch.autograd.grad(fn(idx, weight, vals, bias, target), params)
+
+    isz = dtype.itemsize
+    return harness.Case(
+        op=op_name, provider=provider, shape=dict(B=B, K=K, F=F, D=D), dtype=dtype_name, mode="full", make=make,
+        bytes_moved=(B * K * D + F * D + B * D) * isz,
+    )
+
+
+def cases(*, quick=False):
+    F, D, B = (8192, 512, 1024) if quick else (65536, 2304, 4096)
+    out = []
+    for dtype_name in DTYPES:
+        for K in (32, 64, 128):
+            for op_name, (ours, ref) in OPS.items():
+                compiled = torch.compile(ref, dynamic=False)
+                out.append(_case(op_name, "sparsefuse", ours, B, K, F, D, dtype_name))
+                out.append(_case(op_name, "torch", ref, B, K, F, D, dtype_name))
+                out.append(_case(op_name, "torch.compile", compiled, B, K, F, D, dtype_name))
+    return out
+
+
+def render(out_dir=harness.RESULTS_DIR, readme="README.md"):
+    results = [r for r in harness.load(FAMILY, out_dir) if r.mode == "full"]
+    if not results:
+        return None
+    table = harness.speedup_table(results, shape_keys=["K"])
+    ratio_lines = _hier_over_topk(results)
+    text = table + ("\n\n" + ratio_lines if ratio_lines else "")
+    harness.update_readme(FAMILY, text, readme)
+    harness.plot(results, f"{out_dir}/{FAMILY}.png", title="SAE decoder loss, forward + backward", x_key="K")
+    with open(f"{out_dir}/{FAMILY}.md", "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+def _hier_over_topk(results):
+    """Hierarchical time over our own TopK time at each K and dtype (the issue asks for <= 1.5x)."""
+    ours = {(r.op, r.dtype, r.shape["K"]): r.ms for r in results if r.provider == "sparsefuse"}
+    cells = []
+    for (op, dtype, K), ms in sorted(ours.items()):
+        if op == "hierarchical" and ("topk", dtype, K) in ours:
+            cells.append(f"{dtype} K={K}: {ms / ours[('topk', dtype, K)]:.2f}×")
+    return ("Hierarchical over TopK (sparsefuse): " + ", ".join(cells)) if cells else ""
+
+
+def check(log=print) -> bool:
+    """No GPU: compare the ops with the float64 reference on a small problem instead of timing."""
+    ok = True
+    for op_name, (ours, ref) in OPS.items():
+        idx, weight, vals, bias, target = make_inputs(37, 5, 50, 24, torch.float32, "cpu")
+        params = [weight.requires_grad_(), vals.requires_grad_(), bias.requires_grad_()]
+        got = [ours(idx, weight, vals, bias, target)]
+        got += torch.autograd.grad(got[0], params)
+        p64 = [p.detach().double().requires_grad_() for p in params]
+        want = [ref(idx, p64[0], p64[1], p64[2], target.double())]
+        want += torch.autograd.grad(want[0], p64)
+        err = max(float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(got, want))
+        good = err < 1e-5
+        ok &= good
+        log(f"  {op_name:<13} loss and gradients vs float64 reference: max relative error {err:.2e}  "
+            f"{'ok' if good else 'FAILED'}")
+    return ok
