@@ -31,18 +31,25 @@ from .._registry import INTERPRET
 from .._validate import check_index_range
 from .reference import acc_dtype
 
-# Block-size heuristics, in one place. A gather tile holds BLOCK_K x BLOCK_D elements in registers.
-_GATHER_TILE = 4096 if INTERPRET else 8192
-_SEG_BLOCK_D = 128 if INTERPRET else 512
-_SEG_BLOCK_E = 16
+# Launch heuristics, in one place (H200 sweeps: scripts/tune_sae.py, numbers in benchmarks/NOTES.md).
+# A gather tile holds BLOCK_K x BLOCK_D elements in registers; two warps a row was best at every K.
+_GATHER_TILE = 8192
+_SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (1024, 4)
+_HIER_BLOCK_D, _HIER_WARPS = (64, 1) if INTERPRET else (256, 2)
 _SCALE_BLOCK = 1024 if INTERPRET else 4096
 
 
-def _gather_config(K: int, D: int) -> dict:
+def _gather_config(K: int, D: int, itemsize: int) -> dict:
     """BLOCK_K covers all K latents of a row; BLOCK_D fills the rest of the register tile."""
     block_k = triton.next_power_of_2(K)
-    block_d = max(16, min(triton.next_power_of_2(max(D, 1)), _GATHER_TILE // block_k))
-    return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4 if block_k * block_d <= 4096 else 8)
+    cap = 128 if itemsize <= 2 else 256
+    block_d = max(16, min(triton.next_power_of_2(max(D, 1)), cap, _GATHER_TILE // block_k))
+    return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
+
+
+def _hier_config(K: int, D: int) -> dict:
+    return dict(BLOCK_K=triton.next_power_of_2(K), BLOCK_D=min(_HIER_BLOCK_D, max(16, triton.next_power_of_2(max(D, 1)))),
+                num_warps=_HIER_WARPS)
 
 
 def _tl_dtype(dt: torch.dtype):
@@ -158,34 +165,52 @@ def _hierarchical_sae_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """One row per program, one D tile at a time, two sequential sweeps over the K latents.
+
+    Sweep 1 builds the prefix errors e_k = bias + sum_{j<=k} v_j w_j - target and their total
+    E_0 = sum_k e_k. Sweep 2 walks the suffix sums E_j = E_{j-1} - e_{j-1}, which are the gradient
+    of the loss with respect to v_j w_j (times c). The decoder tile read in sweep 1 is read again in
+    sweep 2 a few microseconds later, from L1/L2, so HBM sees each active row once. The recurrences
+    keep each thread on its own columns: no cross-thread scans.
+    """
     i_b = tl.program_id(0).to(tl.int64)
     o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
-    p_rows = w_ptr + b_idx * stride_wf  # [BLOCK_K]
     b_gv = tl.zeros([BLOCK_K], dtype=ACC)
     b_loss = tl.zeros([BLOCK_D], dtype=ACC)
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        m_w = m_ok[:, None] & m_d[None, :]
-        b_w = tl.load(p_rows[:, None] + o_d[None, :] * stride_wd, mask=m_w, other=0).to(ACC)  # [BLOCK_K, BLOCK_D]
-        # prefix errors e_k = bias + sum_{j<=k} v_j w_j - target
-        b_e = tl.cumsum(b_v[:, None] * b_w, axis=0)  # [BLOCK_K, BLOCK_D]
         b_off = -tl.load(tgt_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
         if HAS_BIAS:
             b_off += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
-        b_e = tl.where(m_k[:, None] & m_d[None, :], b_e + b_off[None, :], 0.0)
-        b_loss += tl.sum(b_e * b_e, axis=0)
-        # d loss / d (v_j w_j) = c * E_j, E_j = sum_{k>=j} e_k
-        b_s = tl.cumsum(b_e, axis=0, reverse=True) * scale  # [BLOCK_K, BLOCK_D]
-        b_gv += tl.sum(b_s * b_w, axis=1)
+        b_e = b_off
+        b_tot = tl.zeros([BLOCK_D], dtype=ACC)
+        for i_k in range(0, K):
+            i_f = tl.load(idx_ptr + i_b * K + i_k).to(tl.int64)
+            ok = (i_f >= 0) & (i_f < F)
+            v = tl.load(vals_ptr + i_b * K + i_k).to(ACC)
+            v = tl.where(ok, v, float("nan"))
+            b_w = tl.load(w_ptr + i_f * stride_wf + o_d * stride_wd, mask=m_d & ok, other=0).to(ACC)  # [BLOCK_D]
+            b_e += v * b_w
+            b_loss += b_e * b_e
+            b_tot += b_e
         if HAS_BIAS:
-            tl.store(gb_ptr + i_b * D + o_d, tl.sum(b_e, axis=0) * scale, mask=m_d)
-        if WEIGHT_GRAD == 1:
-            p_gw = gw_ptr + b_idx[:, None] * D + o_d[None, :]
-            tl.atomic_add(p_gw, b_v[:, None] * b_s, mask=m_w, sem="relaxed")
-        elif WEIGHT_GRAD == 2:
-            p_gw = gw_ptr + (i_b * K + o_k)[:, None] * D + o_d[None, :]
-            tl.store(p_gw, b_v[:, None] * b_s, mask=m_k[:, None] & m_d[None, :])
+            tl.store(gb_ptr + i_b * D + o_d, b_tot * scale, mask=m_d)
+        b_s = b_tot * scale  # c * E_j, starting at j = 0
+        b_e = b_off * scale  # c * e_{j-1}, starting at c * (bias - target)
+        for i_k in range(0, K):
+            i_f = tl.load(idx_ptr + i_b * K + i_k).to(tl.int64)
+            ok = (i_f >= 0) & (i_f < F)
+            v = tl.load(vals_ptr + i_b * K + i_k).to(ACC)
+            v = tl.where(ok, v, float("nan"))
+            b_w = tl.load(w_ptr + i_f * stride_wf + o_d * stride_wd, mask=m_d & ok, other=0).to(ACC)  # [BLOCK_D]
+            b_gv += tl.where(o_k == i_k, tl.sum(b_s * b_w, axis=0), 0.0)
+            if WEIGHT_GRAD == 1:
+                tl.atomic_add(gw_ptr + i_f * D + o_d, v * b_s, mask=m_d & ok, sem="relaxed")
+            elif WEIGHT_GRAD == 2:
+                tl.store(gw_ptr + (i_b * K + i_k) * D + o_d, v * b_s, mask=m_d)
+            b_e += (v * scale) * b_w
+            b_s -= b_e
     tl.store(gv_ptr + i_b * K + o_k, b_gv, mask=m_k)
     tl.store(loss_ptr + i_b, tl.sum(b_loss, axis=0))
 
@@ -205,25 +230,27 @@ def _sae_weight_grad_kernel(
     ROW_PER_ENTRY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """gw[f, d] = scale * sum over entries e of feature f of vals[e] * rows[row(e), d]."""
+    """gw[f, d] = scale * sum over entries e of feature f of vals[e] * rows[row(e), d].
+
+    One program per (feature, D tile); every output element is written exactly once, in a fixed
+    summation order. Entries go one at a time: wide [BLOCK_D] rows keep the loads 16 bytes per
+    thread, and a 2-D [entries, BLOCK_D] tile was 8x slower on an H200 (64-bit pointers per element).
+    """
     i_f = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     i_start = tl.load(seg_ptr + i_f)
     i_end = tl.load(seg_ptr + i_f + 1)
     b_acc = tl.zeros([BLOCK_D], dtype=ACC)
-    for i_e in range(i_start, i_end, BLOCK_E):
-        o_e = i_e + tl.arange(0, BLOCK_E)
-        m_e = o_e < i_end
-        b_ent = tl.load(order_ptr + o_e, mask=m_e, other=0)  # [BLOCK_E]
-        b_row = b_ent if ROW_PER_ENTRY else b_ent // K
-        b_x = tl.load(rows_ptr + b_row[:, None] * D + o_d[None, :], mask=m_e[:, None] & m_d[None, :], other=0).to(ACC)
+    for i_e in range(i_start, i_end):
+        i_ent = tl.load(order_ptr + i_e)
+        i_row = i_ent if ROW_PER_ENTRY else i_ent // K
+        b_x = tl.load(rows_ptr + i_row * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
         if WEIGHTED:
-            b_x *= tl.load(vals_ptr + b_ent, mask=m_e, other=0).to(ACC)[:, None]
-        b_acc += tl.sum(b_x, axis=0)  # [BLOCK_E, BLOCK_D] -> [BLOCK_D]
+            b_x *= tl.load(vals_ptr + i_ent).to(ACC)
+        b_acc += b_x
     b_acc *= const_scale
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
@@ -270,7 +297,7 @@ def decode_fwd(indices, vals, weight, bias):
     _sae_decode_fwd_kernel[(B,)](
         idx, v, weight, bias, None, out, None, None, K, D, F, *_weight_strides(weight),
         HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc_dtype(vals, weight, bias)),
-        **_gather_config(K, D),
+        **_gather_config(K, D, weight.element_size()),
     )
     return out
 
@@ -296,7 +323,7 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
         seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
         K, D, const_scale,
         WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
-        ACC=_tl_dtype(acc_dtype(rows)), BLOCK_E=_SEG_BLOCK_E, BLOCK_D=_SEG_BLOCK_D,
+        ACC=_tl_dtype(acc_dtype(rows)), BLOCK_D=_SEG_BLOCK_D, num_warps=_SEG_WARPS,
     )
     return out
 
@@ -312,7 +339,7 @@ def decode_bwd(grad, indices, vals, weight, need_weight_grad):
     if B > 0:
         _sae_decode_bwd_kernel[(B,)](
             indices.contiguous(), vals.contiguous(), weight, grad, grad_vals, K, D, F, *_weight_strides(weight),
-            ACC=_tl_dtype(acc), **_gather_config(K, D),
+            ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
         )
     grad_bias = grad.to(acc).sum(0)
     grad_weight = (weight_grad(indices, grad, vals, F, weight.dtype) if need_weight_grad
@@ -333,7 +360,7 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
         _sae_decode_fwd_kernel[(B,)](
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss,
             K, D, F, *_weight_strides(weight),
-            HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **_gather_config(K, D),
+            HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
         )
     else:
         for t in (resid, gv, row_loss):
@@ -375,7 +402,7 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target, need_weight_grad,
         _hierarchical_sae_fwd_kernel[(B,)](
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), staged, gv, gb_rows,
             row_loss, K, D, F, *_weight_strides(weight), c,
-            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), **_gather_config(K, D),
+            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), **_hier_config(K, D),
         )
     else:
         for t in (gv, gb_rows, row_loss):

@@ -1,0 +1,47 @@
+"""Shared test helpers: the one tolerance table, comparisons against float64, NaN poisoning."""
+
+from __future__ import annotations
+
+import torch
+
+#: Relative error bound ||got - want|| / ||want|| against a float64 reference, per input dtype.
+#: bf16 rows only run on the GPU tier (the interpreter computes bf16 wrongly).
+TOL = {
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 2e-2,
+}
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    if torch.isnan(got).any() or torch.isnan(want).any():
+        return float("inf") if not torch.equal(torch.isnan(got), torch.isnan(want)) else 0.0
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, name: str = "value", scale: float = 1.0):
+    """Relative-norm comparison with the tolerance of ``dtype`` (times ``scale``); shapes must match."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.isfinite(got).all() or not torch.isfinite(want).all(), f"{name}: non-finite values"
+    err = rel_err(got, want)
+    assert err <= TOL[dtype] * scale, f"{name}: relative error {err:.3e} > {TOL[dtype] * scale:.1e} ({dtype})"
+
+
+def nan_filled_empty(monkeypatch):
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        if t.dtype.is_floating_point and not t.is_meta and t.numel():
+            try:
+                t.fill_(float("nan"))
+            except RuntimeError:  # fake / inference tensors
+                pass
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))
