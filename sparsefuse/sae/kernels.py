@@ -34,8 +34,7 @@ from .reference import acc_dtype
 # Launch heuristics, in one place (H200 sweeps: scripts/tune_sae.py, numbers in benchmarks/NOTES.md).
 # A gather tile holds BLOCK_K x BLOCK_D elements in registers; two warps a row was best at every K.
 _GATHER_TILE = 8192
-_SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (1024, 4)
-_HIER_BLOCK_D, _HIER_WARPS = (64, 1) if INTERPRET else (256, 2)
+_SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 _SCALE_BLOCK = 1024 if INTERPRET else 4096
 
 
@@ -48,8 +47,10 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
 
 
 def _hier_config(K: int, D: int) -> dict:
-    return dict(BLOCK_K=triton.next_power_of_2(K), BLOCK_D=min(_HIER_BLOCK_D, max(16, triton.next_power_of_2(max(D, 1)))),
-                num_warps=_HIER_WARPS)
+    """One warp a row: the sweeps are latency-bound, so many small programs beat few wide ones."""
+    block_d = 64 if K < 64 else 128
+    return dict(BLOCK_K=triton.next_power_of_2(K), BLOCK_D=min(block_d, max(16, triton.next_power_of_2(max(D, 1)))),
+                num_warps=1)
 
 
 def _tl_dtype(dt: torch.dtype):
