@@ -1,0 +1,692 @@
+"""Triton kernels for the top-K distillation losses, and the launchers that check, allocate and launch.
+
+Notation as in ``reference.py``: N tokens, V vocab, H hidden, K teacher slots per token, s = z / T.
+``ACC`` is the accumulation dtype (float32, or float64 for float64 inputs).
+
+One math core, ``_kd_slot_terms``, turns a token's gathered student logits, teacher log-probs and
+mask (plus lse_V unless "topk") into the per-token loss, the dense gradient coefficient A and the
+per-slot corrections; every entry point calls it:
+
+* gathered: ``_kd_topk_kernel`` on [N, K] tiles, forward (per-token loss) and backward (gradient).
+* from logits: ``_kd_row_fwd_kernel`` (online logsumexp over V in tiles, then the K gathered
+  terms; saves lse, A and the slot corrections, O(N*K)) and ``_kd_row_bwd_kernel`` (one pass that
+  writes dL/dz = c * T * A * q_j over the row, then the slot values: no [N, V] fp32 temporaries).
+* from hidden: tokens in chunks; per chunk a cuBLAS matmul gives the logits, the same two row
+  kernels compute the loss and overwrite the chunk's logits with their gradient in place, and two
+  more matmuls accumulate grad_hidden and grad_weight (in the weight's dtype). "topk" without
+  cross-entropy never touches V: ``_kd_hidden_topk_kernel`` gathers the K weight rows per token.
+  Gradients are computed in the forward for an incoming gradient of 1 and rescaled in the backward
+  (``_kd_rescale_kernel``, a no-op on the device when the incoming gradient is 1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._registry import INTERPRET
+from .._validate import check_index_range, index_checks_enabled
+from ..sae.kernels import weight_grad
+from .reference import IGNORE_INDEX, acc_dtype
+
+# Launch heuristics, in one place. A row kernel streams BLOCK_V logits per iteration.
+_ROW_BLOCK_V, _ROW_WARPS = (64, 1) if INTERPRET else (4096, 8)
+_ROW_MIN_PROGRAMS = 4 if INTERPRET else 4096  # backward: split rows along V until this many programs
+_TOPK_TILE = 512 if INTERPRET else 4096  # gathered kernel: BLOCK_N * BLOCK_K elements
+_HID_BLOCK_H, _HID_WARPS = (32, 1) if INTERPRET else (128, 4)
+_REDUCE_BLOCK = 64 if INTERPRET else 1024
+_SCALE_BLOCK = 1024 if INTERPRET else 8192
+#: Target size of one chunk of logits in the from-hidden path (chunk rows = this / (V * itemsize)).
+CHUNK_BYTES = 256 * 2**20
+IGNORE = tl.constexpr(IGNORE_INDEX)
+
+
+def _tl_dtype(dt: torch.dtype):
+    return tl.float64 if dt == torch.float64 else tl.float32
+
+
+@triton.jit
+def _expm1(x):
+    """exp(x) - 1, accurate near 0 (series below |x| = 0.02, exact enough for float64 too)."""
+    b_ser = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x / 5040))))))
+    return tl.where(tl.abs(x) < 0.02, b_ser, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _lse_step(b_m, b_l, b_x):
+    """One tile of an online logsumexp: running max b_m and sum b_l of exp(x - b_m); -inf safe."""
+    b_new = tl.maximum(b_m, tl.max(b_x, 0))
+    b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+    return b_new, b_l * tl.exp(b_m - b_ref) + tl.sum(tl.exp(b_x - b_ref), 0)
+
+
+@triton.jit
+def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr):
+    """The math core, on [R, BLOCK_K] tiles of R tokens.
+
+    b_s: student s = z / T at the slots; b_t: teacher log-probs; m_valid: unmasked, in-range slots;
+    b_lse: [R] logsumexp of s over the vocab (ignored for "topk"). Returns (loss [R] without T**2,
+    A [R], corr [R, BLOCK_K]) as documented in reference.py; zero for tokens with no valid slot.
+    """
+    b_p = tl.where(m_valid, tl.exp(b_t), 0.0)  # [R, BLOCK_K]
+    b_P = tl.sum(b_p, 1)  # [R]
+    b_cross = tl.sum(tl.where(b_p > 0, b_p * (b_t - b_s), 0.0), 1)
+    m_has = tl.sum(m_valid.to(tl.int32), 1) > 0  # [R]
+    b_sm = tl.where(m_valid, b_s, float("-inf"))
+    b_mx = tl.where(m_has, tl.max(b_sm, 1), 0.0)
+    b_e = tl.exp(b_sm - b_mx[:, None])  # [R, BLOCK_K], 0 on invalid slots
+    b_se = tl.where(m_has, tl.sum(b_e, 1), 1.0)
+    b_lse_k = b_mx + tl.log(b_se)
+    if NORMALIZE == 0:
+        b_loss = b_cross + b_P * b_lse_k
+        b_A = b_P * 0.0
+        b_corr = b_P[:, None] * b_e / b_se[:, None] - b_p
+    else:
+        b_loss = b_cross + b_P * b_lse
+        if NORMALIZE == 1:
+            b_A = b_P
+            b_corr = -b_p
+        else:
+            b_d = b_lse_k - b_lse  # log Q <= 0
+            b_omq = tl.maximum(-_expm1(b_d), 1.1754943508222875e-38)
+            b_omp = tl.maximum(1.0 - b_P, 0.0)
+            b_log_omp = tl.log(tl.where(b_omp > 0, b_omp, 1.0))
+            b_loss += tl.where(b_omp > 0, b_omp * (b_log_omp - tl.log(b_omq)), 0.0)
+            b_r = b_omp / b_omq
+            b_A = b_P - b_r * tl.exp(b_d)
+            b_corr = b_r[:, None] * tl.exp(b_s - b_lse[:, None]) - b_p
+    b_corr = tl.where(m_valid, b_corr, 0.0)
+    return tl.where(m_has, b_loss, 0.0), tl.where(m_has, b_A, 0.0), b_corr
+
+
+@triton.jit
+def _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Slots of token i_n: (o_k, m_k, ids, t, valid, bad); an unmasked id outside [0, V) is bad."""
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_ids = tl.load(ids_ptr + i_n * K + o_k, mask=m_k, other=0).to(tl.int64)  # [BLOCK_K]
+    b_t = tl.load(t_ptr + i_n * K + o_k, mask=m_k, other=0).to(ACC)  # [BLOCK_K]
+    m_on = m_k & (tl.load(m_ptr + i_n * K + o_k, mask=m_k, other=0) != 0)
+    m_in = (b_ids >= 0) & (b_ids < V)
+    return o_k, m_k, b_ids, b_t, m_on & m_in, m_on & ~m_in
+
+
+@triton.jit
+def _kd_topk_kernel(
+    z_ptr,  # [N, K] gathered student logits
+    t_ptr,  # [N, K] teacher log-probs
+    m_ptr,  # [N, K] uint8 mask
+    tok_ptr,  # [N] ACC out: per-token loss (forward)
+    flag_ptr,  # [N] ACC out: 1 if the token has an unmasked slot (forward)
+    g_ptr,  # [N, K] out, logits dtype: gradient (IS_BWD)
+    gl_ptr,  # [] incoming gradient of the loss (IS_BWD)
+    gt_ptr,  # [N] incoming gradient of the per-token loss (HAS_GT)
+    scale_ptr,  # [2] ACC: per-token weight of the reduction (IS_BWD)
+    N,
+    K,
+    inv_t,
+    temperature,
+    IS_BWD: tl.constexpr,
+    HAS_GT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_k = tl.arange(0, BLOCK_K)
+    m_n = i_n < N
+    m_2 = m_n[:, None] & (o_k < K)[None, :]
+    o_2 = i_n[:, None] * K + o_k[None, :]  # [BLOCK_N, BLOCK_K]
+    b_s = tl.load(z_ptr + o_2, mask=m_2, other=0).to(ACC) * inv_t
+    b_t = tl.load(t_ptr + o_2, mask=m_2, other=0).to(ACC)
+    m_valid = m_2 & (tl.load(m_ptr + o_2, mask=m_2, other=0) != 0)
+    b_loss, b_A, b_corr = _kd_slot_terms(b_s, b_t, m_valid, tl.zeros([BLOCK_N], dtype=ACC), 0)
+    if IS_BWD:
+        b_f = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(gl_ptr).to(ACC) * tl.load(scale_ptr).to(ACC)
+        if HAS_GT:
+            b_f += tl.load(gt_ptr + i_n, mask=m_n, other=0).to(ACC)
+        tl.store(g_ptr + o_2, (b_corr * (b_f * temperature)[:, None]).to(g_ptr.dtype.element_ty), mask=m_2)
+    else:
+        tl.store(tok_ptr + i_n, b_loss * (temperature * temperature), mask=m_n)
+        tl.store(flag_ptr + i_n, (tl.sum(m_valid.to(tl.int32), 1) > 0).to(ACC), mask=m_n)
+
+
+@triton.jit
+def _kd_row_fwd_kernel(
+    z_ptr,  # [N, V], row stride stride_zn
+    ids_ptr,  # [N, K] int32 | int64
+    t_ptr,  # [N, K]
+    m_ptr,  # [N, K] uint8
+    lab_ptr,  # [N] int labels (HAS_CE)
+    tok_ptr,  # [N] ACC out: per-token KD loss (T**2 included)
+    flag_ptr,  # [N] ACC out: 1 if the token has an unmasked slot
+    lse_ptr,  # [N] ACC out: logsumexp_j s_j (NEED_LSE)
+    a_ptr,  # [N] ACC out: dense coefficient A
+    corr_ptr,  # [N, K] ACC out: slot corrections
+    ce_ptr,  # [N] ACC out: per-token cross-entropy (HAS_CE)
+    lse1_ptr,  # [N] ACC out: logsumexp_j z_j (HAS_CE)
+    V,
+    K,
+    stride_zn,
+    inv_t,
+    temperature,
+    NORMALIZE: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    SEP_CE: tl.constexpr,  # the cross-entropy needs its own logsumexp (T != 1 or "topk")
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    p_z = z_ptr + i_n * stride_zn
+    b_lse = 0.0
+    b_lse1 = 0.0
+    if NORMALIZE > 0 or SEP_CE:
+        # Online logsumexp, one tile max per iteration: one exp per element (two with SEP_CE and KD).
+        b_m = tl.full([], float("-inf"), ACC)
+        b_l = tl.zeros([], dtype=ACC)
+        b_m1 = tl.full([], float("-inf"), ACC)
+        b_l1 = tl.zeros([], dtype=ACC)
+        for i_v in range(0, V, BLOCK_V):
+            o_v = i_v + tl.arange(0, BLOCK_V)
+            b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V]
+            if NORMALIZE > 0:
+                b_m, b_l = _lse_step(b_m, b_l, b_z * inv_t)
+            if SEP_CE:
+                b_m1, b_l1 = _lse_step(b_m1, b_l1, b_z)
+        if NORMALIZE > 0:
+            b_lse = b_m + tl.log(b_l)
+            tl.store(lse_ptr + i_n, b_lse)
+        if SEP_CE:
+            b_lse1 = b_m1 + tl.log(b_l1)
+    o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
+    b_s = tl.load(p_z + b_ids, mask=m_valid, other=0).to(ACC) * inv_t  # [BLOCK_K]
+    b_lse_r = tl.zeros([1], dtype=ACC) + b_lse
+    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], b_lse_r, NORMALIZE)
+    b_loss = tl.sum(b_loss, 0) * (temperature * temperature)
+    b_loss = tl.where(tl.sum(m_bad.to(tl.int32), 0) > 0, float("nan"), b_loss)
+    tl.store(tok_ptr + i_n, b_loss)
+    tl.store(flag_ptr + i_n, (tl.sum(m_valid.to(tl.int32), 0) > 0).to(ACC))
+    tl.store(a_ptr + i_n, tl.where(tl.sum(m_bad.to(tl.int32), 0) > 0, float("nan"), tl.sum(b_A, 0)))
+    tl.store(corr_ptr + i_n * K + o_k, tl.where(m_bad, float("nan"), tl.sum(b_corr, 0)), mask=m_k)
+    if HAS_CE:
+        if not SEP_CE:
+            b_lse1 = b_lse
+        i_lab = tl.load(lab_ptr + i_n).to(tl.int64)
+        has = i_lab != IGNORE
+        ok = has & (i_lab >= 0) & (i_lab < V)
+        b_zl = tl.load(p_z + i_lab, mask=ok, other=0).to(ACC)
+        b_ce = tl.where(has, b_lse1 - b_zl, 0.0)
+        tl.store(ce_ptr + i_n, tl.where(has & ~ok, float("nan"), b_ce))
+        tl.store(lse1_ptr + i_n, b_lse1)
+
+
+@triton.jit
+def _kd_row_bwd_kernel(
+    z_ptr,  # [N, V], row stride stride_zn
+    g_ptr,  # [N, V] out, row stride stride_gn; may be z_ptr (the from-hidden path works in place)
+    ids_ptr,  # [N, K]
+    m_ptr,  # [N, K] uint8
+    lab_ptr,  # [N] (HAS_CE)
+    lse_ptr,  # [N] ACC (NORMALIZE > 0)
+    a_ptr,  # [N] ACC
+    corr_ptr,  # [N, K] ACC
+    lse1_ptr,  # [N] ACC (HAS_CE)
+    gl_ptr,  # [] incoming gradient of the loss (HAS_GL; else 1)
+    gt_ptr,  # [N] incoming gradient of the per-token loss (HAS_GT)
+    scale_ptr,  # [2] ACC: per-token weights of the KD and cross-entropy terms
+    V,
+    K,
+    stride_zn,
+    stride_gn,
+    inv_t,
+    temperature,
+    v_per_prog,
+    NORMALIZE: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    HAS_GL: tl.constexpr,
+    HAS_GT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """dL/dz for columns [v_lo, v_hi) of row i_n: dense c_kd*T*A*q_j (+ c_ce*softmax(z)_j), then the
+    slot and label columns. Those few values are read before the dense sweep (which may overwrite z
+    in place) and stored after a barrier; slots sharing a column carry the same total, so
+    duplicate stores agree."""
+    i_n = tl.program_id(0).to(tl.int64)
+    v_lo = tl.program_id(1).to(tl.int64) * v_per_prog
+    v_hi = tl.minimum(v_lo + v_per_prog, V)
+    p_z = z_ptr + i_n * stride_zn
+    p_g = g_ptr + i_n * stride_gn
+    b_f = tl.load(scale_ptr).to(ACC)
+    b_fc = tl.load(scale_ptr + 1).to(ACC)
+    if HAS_GL:
+        b_gl = tl.load(gl_ptr).to(ACC)
+        b_f *= b_gl
+        b_fc *= b_gl
+    if HAS_GT:
+        b_f += tl.load(gt_ptr + i_n).to(ACC)
+    b_ckd = b_f * temperature
+    b_cA = b_ckd * tl.load(a_ptr + i_n)
+    b_lse = 0.0
+    if NORMALIZE > 0:
+        b_lse = tl.load(lse_ptr + i_n)
+    b_lse1 = 0.0
+    if HAS_CE:
+        b_lse1 = tl.load(lse1_ptr + i_n)
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_ids = tl.load(ids_ptr + i_n * K + o_k, mask=m_k, other=-1).to(tl.int64)  # [BLOCK_K]
+    m_on = m_k & (tl.load(m_ptr + i_n * K + o_k, mask=m_k, other=0) != 0)
+    b_corr = tl.load(corr_ptr + i_n * K + o_k, mask=m_k, other=0)  # [BLOCK_K]
+    b_ids = tl.where(m_on, b_ids, -1)
+    # slots sharing an id: each carries the sum over the group  [BLOCK_K, BLOCK_K]
+    m_eq = (b_ids[:, None] == b_ids[None, :]) & m_on[None, :]
+    b_tot = tl.sum(tl.where(m_eq, b_corr[None, :], 0.0), 1) * b_ckd  # [BLOCK_K]
+    m_mine = m_on & (b_ids >= v_lo) & (b_ids < v_hi)
+    b_zk = tl.load(p_z + b_ids, mask=m_mine, other=0).to(ACC)
+    b_vk = b_tot
+    if NORMALIZE > 0:
+        b_vk += b_cA * tl.exp(b_zk * inv_t - b_lse)
+    if HAS_CE:
+        i_lab = tl.load(lab_ptr + i_n).to(tl.int64)
+        b_fc = tl.where(i_lab != IGNORE, b_fc, 0.0)  # an ignored token has no cross-entropy term
+        m_lab = (i_lab != IGNORE) & (i_lab >= v_lo) & (i_lab < v_hi)
+        b_zl = tl.load(p_z + i_lab, mask=m_lab, other=0).to(ACC)
+        b_vk += b_fc * tl.exp(b_zk - b_lse1) - tl.where(b_ids == i_lab, b_fc, 0.0)
+        b_vl = b_fc * tl.exp(b_zl - b_lse1) - b_fc
+        b_vl += tl.sum(tl.where(m_on & (b_ids == i_lab), b_corr, 0.0), 0) * b_ckd
+        if NORMALIZE > 0:
+            b_vl += b_cA * tl.exp(b_zl * inv_t - b_lse)
+    for i_v in range(v_lo, v_hi, BLOCK_V):
+        o_v = i_v + tl.arange(0, BLOCK_V)
+        m_v = o_v < v_hi
+        if NORMALIZE > 0 or HAS_CE:
+            b_z = tl.load(p_z + o_v, mask=m_v, other=0).to(ACC)  # [BLOCK_V]
+            b_g = tl.zeros([BLOCK_V], dtype=ACC)
+            if NORMALIZE > 0:
+                b_g += b_cA * tl.exp(b_z * inv_t - b_lse)
+            if HAS_CE:
+                b_g += b_fc * tl.exp(b_z - b_lse1)
+        else:
+            b_g = tl.zeros([BLOCK_V], dtype=ACC)
+        tl.store(p_g + o_v, b_g.to(g_ptr.dtype.element_ty), mask=m_v)
+    tl.debug_barrier()
+    tl.store(p_g + b_ids, b_vk.to(g_ptr.dtype.element_ty), mask=m_mine)
+    if HAS_CE:
+        tl.store(p_g + i_lab, b_vl.to(g_ptr.dtype.element_ty), mask=m_lab)
+
+
+@triton.jit
+def _kd_hidden_topk_kernel(
+    h_ptr,  # [N, H] hidden states (contiguous)
+    w_ptr,  # [V, H] lm-head weight, row stride stride_wv
+    b_ptr,  # [V] bias (HAS_BIAS)
+    ids_ptr,  # [N, K]
+    t_ptr,  # [N, K]
+    m_ptr,  # [N, K] uint8
+    tok_ptr,  # [N] ACC out: per-token loss
+    flag_ptr,  # [N] ACC out
+    g_ptr,  # [N, K] ACC out: dL/dz at the slots (NEED_GRAD)
+    gh_ptr,  # [N, H] out: grad_hidden (NEED_GH)
+    scale_ptr,  # [2] ACC
+    H,
+    V,
+    K,
+    stride_wv,
+    inv_t,
+    temperature,
+    HAS_BIAS: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    NEED_GH: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """"topk" from hidden states: z_k = <h, W[i_k]> (+ b[i_k]) for the K slots only, then the math
+    core, then grad_hidden = sum_k g_k W[i_k] in a second sweep over the same rows."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
+    p_w = w_ptr + b_ids * stride_wv  # [BLOCK_K]
+    b_z = tl.zeros([BLOCK_K], dtype=ACC)
+    for i_h in range(0, H, BLOCK_H):
+        o_h = i_h + tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        b_h = tl.load(h_ptr + i_n * H + o_h, mask=m_h, other=0).to(ACC)  # [BLOCK_H]
+        b_w = tl.load(p_w[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h[None, :], other=0).to(ACC)
+        b_z += tl.sum(b_w * b_h[None, :], 1)  # [BLOCK_K]
+    if HAS_BIAS:
+        b_z += tl.load(b_ptr + b_ids, mask=m_valid, other=0).to(ACC)
+    b_s = b_z * inv_t
+    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], tl.zeros([1], dtype=ACC), 0)
+    b_loss = tl.sum(b_loss, 0) * (temperature * temperature)
+    any_bad = tl.sum(m_bad.to(tl.int32), 0) > 0
+    tl.store(tok_ptr + i_n, tl.where(any_bad, float("nan"), b_loss))
+    tl.store(flag_ptr + i_n, (tl.sum(m_valid.to(tl.int32), 0) > 0).to(ACC))
+    if NEED_GRAD:
+        b_g = tl.sum(b_corr, 0) * (tl.load(scale_ptr).to(ACC) * temperature)  # [BLOCK_K]
+        b_g = tl.where(m_bad, float("nan"), b_g)
+        tl.store(g_ptr + i_n * K + o_k, b_g, mask=m_k)
+        if NEED_GH:
+            for i_h in range(0, H, BLOCK_H):
+                o_h = i_h + tl.arange(0, BLOCK_H)
+                m_h = o_h < H
+                b_w = tl.load(p_w[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h[None, :], other=0).to(ACC)
+                b_gh = tl.sum(b_w * b_g[:, None], 0)  # [BLOCK_H]
+                b_gh = tl.where(any_bad, float("nan"), b_gh)
+                tl.store(gh_ptr + i_n * H + o_h, b_gh.to(gh_ptr.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _kd_reduce_kernel(
+    tok_ptr,  # [N] ACC per-token KD loss (HAS_TOK)
+    ce_ptr,  # [N] ACC per-token cross-entropy (HAS_CE and HAS_TOK)
+    flag_ptr,  # [N] tokens with an unmasked slot (ACC or bool)
+    lab_ptr,  # [N] labels (HAS_CE)
+    items_ptr,  # [] num_items_in_batch (HAS_ITEMS)
+    loss_ptr,  # [] ACC out (HAS_TOK)
+    scale_ptr,  # [2] ACC out: per-token weights of the KD and CE terms
+    N,
+    items_value,
+    ce_weight,
+    REDUCTION: tl.constexpr,  # 0 sum, 1 mean over tokens with an unmasked slot (CE: over labels), 2 items
+    HAS_TOK: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    HAS_ITEMS: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: the reduction's denominators (on the device, no host sync) and the loss, summed
+    in a fixed order."""
+    b_n = tl.zeros([BLOCK], dtype=ACC)
+    b_nc = tl.zeros([BLOCK], dtype=ACC)
+    b_s = tl.zeros([BLOCK], dtype=ACC)
+    b_sc = tl.zeros([BLOCK], dtype=ACC)
+    for i in range(0, N, BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        m = o < N
+        b_n += tl.load(flag_ptr + o, mask=m, other=0).to(ACC)
+        if HAS_CE:
+            b_nc += (tl.load(lab_ptr + o, mask=m, other=IGNORE) != IGNORE).to(ACC)
+        if HAS_TOK:
+            b_s += tl.load(tok_ptr + o, mask=m, other=0).to(ACC)
+            if HAS_CE:
+                b_sc += tl.load(ce_ptr + o, mask=m, other=0).to(ACC)
+    if REDUCTION == 1:
+        b_w = 1.0 / tl.maximum(tl.sum(b_n, 0), 1.0)
+        b_wc = ce_weight / tl.maximum(tl.sum(b_nc, 0), 1.0)
+    elif REDUCTION == 2:
+        if HAS_ITEMS:
+            b_items = tl.load(items_ptr).to(ACC)
+        else:
+            b_items = items_value + tl.sum(b_n, 0) * 0.0
+        b_w = 1.0 / b_items
+        b_wc = ce_weight / b_items
+    else:
+        b_w = 1.0 + tl.sum(b_n, 0) * 0.0
+        b_wc = ce_weight + tl.sum(b_n, 0) * 0.0
+    if not HAS_CE:
+        b_wc = b_wc * 0.0
+    tl.store(scale_ptr, b_w)
+    tl.store(scale_ptr + 1, b_wc)
+    if HAS_TOK:
+        tl.store(loss_ptr, tl.sum(b_s, 0) * b_w + tl.sum(b_sc, 0) * b_wc)
+
+
+@triton.jit
+def _kd_rescale_kernel(
+    x_ptr,  # [M] gradient, scaled in place
+    g_ptr,  # [] incoming gradient
+    applied_ptr,  # [1] ACC: the factor x carries now
+    M,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """x *= g / applied; nothing to do (and no memory traffic) when the two are equal."""
+    b_f = tl.load(g_ptr).to(tl.float32) / tl.load(applied_ptr).to(tl.float32)
+    if b_f != 1.0:
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < M
+        b_x = tl.load(x_ptr + o, mask=m, other=0)
+        b_fx = tl.load(g_ptr).to(ACC) / tl.load(applied_ptr).to(ACC)
+        tl.store(x_ptr + o, (b_x.to(ACC) * b_fx).to(x_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. Inputs are shape/dtype-checked by the public functions (ops.py); these make the small
+# operands contiguous, check the index range (switchable, one host sync), allocate and launch.
+
+
+def _check_ids(ids, mask, V):
+    if index_checks_enabled():
+        check_index_range("target_token_ids", torch.where(mask != 0, ids, torch.zeros_like(ids)), V)
+
+
+def _check_labels(labels, V):
+    if labels is not None and index_checks_enabled():
+        check_index_range("labels", torch.where(labels != IGNORE_INDEX, labels, torch.zeros_like(labels)), V)
+
+
+def _u8(mask):
+    mask = mask.contiguous()
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
+
+
+def _topk_config(K):
+    block_k = triton.next_power_of_2(max(K, 1))
+    return dict(BLOCK_K=block_k, BLOCK_N=max(1, min(64, _TOPK_TILE // block_k)))
+
+
+def reduce(tok, ce, flags, labels, reduction, num_items, num_items_value, ce_weight, acc):
+    """(loss [] or None, scale [2]) from per-token terms; see _kd_reduce_kernel."""
+    dev = flags.device
+    scale = torch.empty(2, device=dev, dtype=acc)
+    loss = torch.empty((), device=dev, dtype=acc) if tok is not None else None
+    _kd_reduce_kernel[(1,)](
+        tok, ce, flags, labels, num_items, loss, scale, flags.shape[0], float(num_items_value), float(ce_weight),
+        REDUCTION=reduction, HAS_TOK=tok is not None, HAS_CE=labels is not None, HAS_ITEMS=num_items is not None,
+        ACC=_tl_dtype(acc), BLOCK=_REDUCE_BLOCK,
+    )
+    return loss, scale
+
+
+def topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value):
+    """(loss [], per-token loss [N], scale [2]) for gathered logits z [N, K]."""
+    N, K = z.shape
+    acc = acc_dtype(z, t)
+    tok = torch.empty(N, device=z.device, dtype=acc)
+    flags = torch.empty(N, device=z.device, dtype=acc)
+    if N:
+        cfg = _topk_config(K)
+        _kd_topk_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+            z.contiguous(), t.contiguous(), _u8(mask), tok, flags, None, None, None, None, N, K,
+            1.0 / temperature, float(temperature), IS_BWD=False, HAS_GT=False, ACC=_tl_dtype(acc), **cfg,
+        )
+    loss, scale = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
+    return loss, tok, scale
+
+
+def topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature):
+    N, K = z.shape
+    g = torch.empty(N, K, device=z.device, dtype=z.dtype)
+    if N:
+        cfg = _topk_config(K)
+        _kd_topk_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+            z.contiguous(), t.contiguous(), _u8(mask), None, None, g, grad_loss.contiguous(),
+            None if grad_tok is None else grad_tok.contiguous(), scale, N, K, 1.0 / temperature, float(temperature),
+            IS_BWD=True, HAS_GT=grad_tok is not None, ACC=_tl_dtype(scale.dtype), **cfg,
+        )
+    return g
+
+
+def _rows(z):
+    return z if z.stride(-1) == 1 else z.contiguous()
+
+
+def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
+    """Launch the row forward kernel over the rows of z (a [n, V] view)."""
+    n, V = z.shape
+    K = ids.shape[1]
+    tok, flags, lse, A, corr, ce, lse1 = outs
+    has_ce = labels is not None
+    if n == 0:
+        return
+    _kd_row_fwd_kernel[(n,)](
+        z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, V, K, z.stride(0),
+        1.0 / temperature, float(temperature),
+        NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
+        ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=triton.next_power_of_2(K), num_warps=_ROW_WARPS,
+    )
+
+
+def _row_bwd(z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, normalize, temperature):
+    n, V = z.shape
+    K = ids.shape[1]
+    if n == 0 or V == 0:
+        return
+    split = max(1, min(triton.cdiv(_ROW_MIN_PROGRAMS, n), triton.cdiv(V, _ROW_BLOCK_V)))
+    v_per_prog = triton.cdiv(triton.cdiv(V, split), _ROW_BLOCK_V) * _ROW_BLOCK_V
+    _kd_row_bwd_kernel[(n, triton.cdiv(V, v_per_prog))](
+        z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, V, K, z.stride(0), g.stride(0),
+        1.0 / temperature, float(temperature), v_per_prog,
+        NORMALIZE=normalize, HAS_CE=labels is not None, HAS_GL=grad_loss is not None, HAS_GT=grad_tok is not None,
+        ACC=_tl_dtype(scale.dtype), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=triton.next_power_of_2(K), num_warps=_ROW_WARPS,
+    )
+
+
+def logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
+    """(loss, tok [N], scale [2], lse [N], A [N], corr [N, K]) for full logits z [N, V]."""
+    N, V = z.shape
+    K = ids.shape[1]
+    _check_ids(ids, mask, V)
+    acc = acc_dtype(z, t)
+    dev = z.device
+    tok, flags, lse, A = (torch.empty(N, device=dev, dtype=acc) for _ in range(4))
+    corr = torch.empty(N, K, device=dev, dtype=acc)
+    if normalize == 0:
+        lse.zero_()
+    _row_fwd(_rows(z), ids.contiguous(), t.contiguous(), _u8(mask), None, normalize, temperature, acc,
+             (tok, flags, lse, A, corr, None, None))
+    loss, scale = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
+    return loss, tok, scale, lse, A, corr
+
+
+def logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature):
+    z = _rows(z)
+    g = torch.empty(z.shape, device=z.device, dtype=z.dtype)
+    _row_bwd(z, g, ids.contiguous(), _u8(mask), None, lse, A, corr, None, grad_loss.contiguous(),
+             None if grad_tok is None else grad_tok.contiguous(), scale, normalize, temperature)
+    return g
+
+
+def chunk_rows(N, V, itemsize, chunk_size=0):
+    if chunk_size > 0:
+        return max(1, min(N, chunk_size))
+    return max(1, min(N, 1 << max(0, (CHUNK_BYTES // max(V * itemsize, 1)).bit_length() - 1)))
+
+
+def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction, num_items,
+               num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size):
+    """See reference.kd_hidden_fwd: loss and per-token loss, and the gradients for an incoming
+    gradient of 1 (empty when not needed)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    K = ids.shape[1]
+    dev = hidden.device
+    _check_ids(ids, mask, V)
+    has_ce = labels is not None and ce_weight != 0.0
+    if has_ce:
+        _check_labels(labels, V)
+        labels = labels.contiguous()
+    else:
+        labels = None
+    acc = acc_dtype(hidden, weight, t)
+    hidden, ids, t, m8 = hidden.contiguous(), ids.contiguous(), t.contiguous(), _u8(mask)
+    need_grad = need_gh or need_gw or need_gb
+    gh = torch.empty(N, H, device=dev, dtype=hidden.dtype) if need_gh else hidden.new_empty(0)
+    gb_acc = torch.zeros(V, device=dev, dtype=acc) if need_gb else None
+    tok = torch.empty(N, device=dev, dtype=acc)
+    flags = mask.any(-1) if mask.dtype == torch.bool else (mask != 0).any(-1)
+    _, scale = reduce(None, None, flags, labels, reduction, num_items, num_items_value, ce_weight, acc)
+    applied = torch.ones(1, device=dev, dtype=acc)
+
+    if normalize == 0 and not has_ce:
+        flags2 = torch.empty(N, device=dev, dtype=acc)
+        g = torch.empty(N, K, device=dev, dtype=acc) if need_grad else None
+        if N:
+            _kd_hidden_topk_kernel[(N,)](
+                hidden, weight, bias, ids, t, m8, tok, flags2, g, gh if need_gh else None, scale, H, V, K,
+                weight.stride(0), 1.0 / temperature, float(temperature),
+                HAS_BIAS=bias is not None, NEED_GRAD=need_grad, NEED_GH=need_gh, ACC=_tl_dtype(acc),
+                BLOCK_K=triton.next_power_of_2(K), BLOCK_H=_HID_BLOCK_H, num_warps=_HID_WARPS,
+            )
+        elif need_gh:
+            gh.zero_()
+        loss, _ = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
+        clean = torch.where(mask != 0, ids, torch.zeros_like(ids))
+        gw = weight_grad(clean, hidden, g, V, weight.dtype) if need_gw else weight.new_empty(0)
+        if need_gb:
+            gb = weight_grad(clean, torch.ones(N, 1, device=dev, dtype=acc), g, V, acc)[:, 0].to(bias.dtype)
+        else:
+            gb = hidden.new_empty(0)
+        return loss, tok, gh, gw, gb, applied
+
+    C = chunk_rows(N, V, hidden.element_size(), chunk_size)
+    buf = torch.empty(C, V, device=dev, dtype=hidden.dtype)
+    lse, A, lse1, ce = (torch.empty(C, device=dev, dtype=acc) for _ in range(4))
+    corr = torch.empty(C, K, device=dev, dtype=acc)
+    ce_tok = torch.empty(N, device=dev, dtype=acc) if has_ce else None
+    flags_f = torch.empty(C, device=dev, dtype=acc)
+    gw = torch.empty(V, H, device=dev, dtype=weight.dtype) if need_gw else weight.new_empty(0)
+    wt = weight.t()
+    for r0 in range(0, N, C):
+        r1 = min(N, r0 + C)
+        n = r1 - r0
+        z = buf[:n]
+        h_c = hidden[r0:r1]
+        if bias is None:
+            torch.mm(h_c, wt, out=z)
+        else:
+            torch.addmm(bias, h_c, wt, out=z)
+        lab_c = labels[r0:r1] if has_ce else None
+        if normalize == 0:
+            lse.zero_()
+        _row_fwd(z, ids[r0:r1], t[r0:r1], m8[r0:r1], lab_c, normalize, temperature, acc,
+                 (tok[r0:r1], flags_f, lse, A, corr, ce_tok[r0:r1] if has_ce else None, lse1))
+        if not need_grad:
+            continue
+        _row_bwd(z, z, ids[r0:r1], m8[r0:r1], lab_c, lse, A, corr, lse1, None, None, scale, normalize, temperature)
+        if need_gh:
+            torch.mm(z, weight, out=gh[r0:r1])
+        if need_gw:
+            if r0 == 0:
+                torch.mm(z.t(), h_c, out=gw)
+            else:
+                gw.addmm_(z.t(), h_c)
+        if need_gb:
+            gb_acc += z.sum(0, dtype=acc)
+    if N == 0:
+        if need_gw:
+            gw.zero_()
+    loss, _ = reduce(tok, ce_tok, flags, labels, reduction, num_items, num_items_value, ce_weight, acc)
+    gb = gb_acc.to(bias.dtype) if need_gb else hidden.new_empty(0)
+    return loss, tok, gh, gw, gb, applied
+
+
+def rescale_(x: torch.Tensor, g: torch.Tensor, applied: torch.Tensor) -> None:
+    """x *= g / applied in place (no traffic when equal)."""
+    n = x.numel()
+    if n:
+        _kd_rescale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](x, g, applied, n, ACC=_tl_dtype(x.dtype), BLOCK=_SCALE_BLOCK)
+
+
+def hidden_bwd(grad_loss, gh, gw, gb, applied):
+    """Rescale the forward's gradients to the incoming gradient, then record the new factor."""
+    g = grad_loss.contiguous()
+    for x in (gh, gw, gb):
+        rescale_(x, g, applied)
+    applied.copy_(g.reshape(1).to(applied.dtype))

@@ -1,0 +1,356 @@
+"""Registered ops and the public functions for top-K knowledge distillation.
+
+Shapes: N tokens (leading dimensions [B, S, ...] are flattened), V vocab, H hidden, K teacher slots.
+``target_token_ids [..., K]`` int32/int64, ``target_logprobs [..., K]`` float, ``target_mask [..., K]``
+bool or 0/1 (None: every slot counts). Floating inputs may be float16, bfloat16, float32 or float64;
+arithmetic is float32 (float64 if an input is float64). Losses come back in that accumulation dtype;
+gradients in their parameter's dtype.
+
+Objective (see ``reference.py`` for the gradient formulas): with p_k = exp(t_k) over unmasked slots,
+the per-token loss is the forward KL  T^2 * sum_k p_k (t_k - log q_k), where ``normalize`` picks q:
+``"topk"`` the student renormalised over the teacher's K tokens, ``"full"`` the student's
+log-softmax over the vocabulary, ``"tail"`` full plus the (K+1)-th bucket
+(1 - P) log((1 - P) / (1 - Q)) (a KL over K + 1 outcomes, never negative). Masked slots are left out
+of every sum and normaliser; a token with no unmasked slot contributes 0 and gets a zero gradient.
+Reductions: ``"sum"``; ``"mean"`` over tokens that have an unmasked slot (counted on the device);
+``num_items_in_batch`` (int or tensor) divides the sum instead, for gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .._registry import register_op
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from . import kernels, reference
+from .reference import NORMALIZE
+
+_REDUCTIONS = ("mean", "sum")
+
+
+def _reduction_args(reduction, num_items_in_batch):
+    """(reduction code, num_items tensor or None, num_items float) for the ops."""
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, Tensor):
+            return 2, num_items_in_batch.reshape(()), 1.0
+        return 2, None, float(num_items_in_batch)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    return reference.REDUCTION[reduction], None, 1.0
+
+
+def _normalize_code(normalize):
+    if normalize not in NORMALIZE:
+        raise ValueError(f"normalize must be one of {tuple(NORMALIZE)}, got {normalize!r}")
+    return NORMALIZE[normalize]
+
+
+def _check_temperature(temperature):
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    return float(temperature)
+
+
+def _check_targets(ids, logprobs, mask, dev, *, lead_k=None):
+    """Flatten the teacher tensors to [N, K] (ids optional) and check them."""
+    shape = logprobs.shape if ids is None else ids.shape
+    if ids is not None:
+        check_tensor("target_token_ids", ids, dtypes=INDEX_DTYPES, device=dev)
+        if ids.dim() < 1 or ids.shape[-1] < 1:
+            raise ValueError(f"target_token_ids must end in a K >= 1 dimension, got shape {tuple(ids.shape)}")
+    check_tensor("target_logprobs", logprobs, dtypes=FLOAT_DTYPES, device=dev)
+    if tuple(logprobs.shape) != tuple(shape):
+        raise ValueError(f"target_logprobs has shape {tuple(logprobs.shape)}; expected {tuple(shape)}")
+    if mask is not None:
+        check_tensor("target_mask", mask, device=dev)
+        if tuple(mask.shape) != tuple(shape):
+            raise ValueError(f"target_mask has shape {tuple(mask.shape)}; expected {tuple(shape)}")
+    K = shape[-1]
+    t = logprobs.reshape(-1, K)
+    m = torch.ones(t.shape, dtype=torch.bool, device=dev) if mask is None else mask.reshape(-1, K)
+    if m.dtype != torch.bool:
+        m = m != 0
+    return (None if ids is None else ids.reshape(-1, K)), t, m, tuple(shape[:-1])
+
+
+# --- gathered logits ----------------------------------------------------------------------------
+
+
+def _topk_fake(z, t, mask, temperature, reduction, num_items, num_items_value):
+    acc = reference.acc_dtype(z, t)
+    return z.new_empty((), dtype=acc), z.new_empty(z.shape[0], dtype=acc), z.new_empty(2, dtype=acc)
+
+
+def _topk_bwd_fake(grad_loss, grad_tok, z, t, mask, scale, temperature):
+    return torch.empty_like(z)
+
+
+@register_op("kd_topk_bwd", fake=_topk_bwd_fake, reference=reference.kd_topk_bwd)
+def _topk_bwd_op(grad_loss: Tensor, grad_tok: Optional[Tensor], z: Tensor, t: Tensor, mask: Tensor, scale: Tensor,
+                 temperature: float) -> Tensor:
+    return kernels.topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature)
+
+
+def _topk_setup(ctx, inputs, output):
+    z, t, mask, temperature, *_ = inputs
+    _, _, scale = output
+    ctx.mark_non_differentiable(scale)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(z, t, mask, scale)
+    ctx.temperature = temperature
+
+
+def _topk_backward(ctx, grad_loss, grad_tok, _grad_scale):
+    z, t, mask, scale = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = scale.new_zeros(())
+    g = _topk_bwd_op(grad_loss, grad_tok, z, t, mask, scale, ctx.temperature)
+    return g, None, None, None, None, None, None
+
+
+@register_op("kd_topk", fake=_topk_fake, reference=reference.kd_topk_fwd, backward=_topk_backward,
+             setup_context=_topk_setup)
+def _topk_op(z: Tensor, t: Tensor, mask: Tensor, temperature: float, reduction: int, num_items: Optional[Tensor],
+             num_items_value: float) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels.topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value)
+
+
+def topk_kd_loss(
+    student_logits_topk: Tensor, target_logprobs: Tensor, target_mask: Optional[Tensor] = None, *,
+    temperature: float = 1.0, reduction: str = "mean", num_items_in_batch: Union[int, float, Tensor, None] = None,
+    return_per_token: bool = False,
+):
+    """Top-K distillation loss from the student logits already gathered at the teacher's K tokens.
+
+    ``loss_token = T^2 * sum_k p_k (t_k - log softmax_K(z / T)_k)`` over unmasked slots (the
+    ``"topk"`` normalisation: the student renormalised over the K tokens).
+
+    Args:
+        student_logits_topk: ``[..., K]`` student logits at the teacher's top-K token ids.
+        target_logprobs: ``[..., K]`` teacher log-probabilities (padding may hold -1e9 or -inf).
+        target_mask: ``[..., K]`` bool or 0/1; None means every slot counts.
+        temperature: T > 0; divides the student logits; the loss is multiplied by T^2.
+        reduction: ``"mean"`` (over tokens with an unmasked slot) or ``"sum"``.
+        num_items_in_batch: if given, the loss is the sum divided by it (overrides ``reduction``).
+        return_per_token: also return the per-token loss ``[...]`` (differentiable).
+
+    Returns:
+        A scalar in float32 (float64 for float64 inputs), or ``(loss, per_token)``.
+    """
+    check_tensor("student_logits_topk", student_logits_topk, dtypes=FLOAT_DTYPES)
+    dev = student_logits_topk.device
+    _, t, m, lead = _check_targets(None, target_logprobs, target_mask, dev)
+    if tuple(student_logits_topk.shape) != tuple(target_logprobs.shape):
+        raise ValueError(f"student_logits_topk has shape {tuple(student_logits_topk.shape)}; "
+                         f"expected {tuple(target_logprobs.shape)} (the shape of target_logprobs)")
+    T = _check_temperature(temperature)
+    red, items, items_v = _reduction_args(reduction, num_items_in_batch)
+    loss, tok, _ = _topk_op(student_logits_topk.reshape(t.shape), t, m, T, red, items, items_v)
+    return (loss, tok.reshape(lead)) if return_per_token else loss
+
+
+# --- full logits ---------------------------------------------------------------------------------
+
+
+def _logits_fake(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
+    acc = reference.acc_dtype(z, t)
+    N, K = ids.shape
+    e = lambda *s: z.new_empty(*s, dtype=acc)  # noqa: E731
+    return e(()), e(N), e(2), e(N), e(N), e(N, K)
+
+
+def _logits_bwd_fake(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature):
+    return torch.empty_like(z)
+
+
+@register_op("kd_logits_bwd", fake=_logits_bwd_fake, reference=reference.kd_logits_bwd)
+def _logits_bwd_op(grad_loss: Tensor, grad_tok: Optional[Tensor], z: Tensor, ids: Tensor, mask: Tensor, lse: Tensor,
+                   A: Tensor, corr: Tensor, scale: Tensor, normalize: int, temperature: float) -> Tensor:
+    return kernels.logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature)
+
+
+def _logits_setup(ctx, inputs, output):
+    z, ids, t, mask, normalize, temperature, *_ = inputs
+    _, _, scale, lse, A, corr = output
+    ctx.mark_non_differentiable(scale, lse, A, corr)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(z, ids, mask, lse, A, corr, scale)
+    ctx.args = (normalize, temperature)
+
+
+def _logits_backward(ctx, grad_loss, grad_tok, *_):
+    z, ids, mask, lse, A, corr, scale = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = scale.new_zeros(())
+    g = _logits_bwd_op(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, *ctx.args)
+    return (g,) + (None,) * 8
+
+
+@register_op("kd_logits", fake=_logits_fake, reference=reference.kd_logits_fwd, backward=_logits_backward,
+             setup_context=_logits_setup)
+def _logits_op(z: Tensor, ids: Tensor, t: Tensor, mask: Tensor, normalize: int, temperature: float, reduction: int,
+               num_items: Optional[Tensor], num_items_value: float
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return kernels.logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value)
+
+
+def topk_kd_loss_from_logits(
+    logits: Tensor, target_token_ids: Tensor, target_logprobs: Tensor, target_mask: Optional[Tensor] = None, *,
+    normalize: str = "full", temperature: float = 1.0, reduction: str = "mean",
+    num_items_in_batch: Union[int, float, Tensor, None] = None, return_per_token: bool = False,
+):
+    """Top-K distillation loss from the student's full logits ``[..., V]``.
+
+    Args:
+        logits: ``[..., V]`` student logits (leading dimensions match the targets').
+        target_token_ids: ``[..., K]`` teacher top-K token ids in ``[0, V)`` (masked slots may hold
+            anything; unmasked ids outside the range raise ``IndexError``, see ``set_index_checks``).
+        target_logprobs, target_mask, temperature, reduction, num_items_in_batch, return_per_token:
+            as in :func:`topk_kd_loss`.
+        normalize: ``"topk"``, ``"full"`` (default) or ``"tail"`` (see the module docstring).
+
+    Returns:
+        A scalar (float32, or float64 for float64 inputs), or ``(loss, per_token)``. The forward
+        reads the logits once (online logsumexp) and keeps O(N*K) state; the backward writes the
+        logits gradient in one pass, with no [N, V] float32 temporaries.
+    """
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
+    dev = logits.device
+    ids, t, m, lead = _check_targets(target_token_ids, target_logprobs, target_mask, dev)
+    if logits.dim() < 1 or tuple(logits.shape[:-1]) != lead:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}; expected {list(lead) + ['V']}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary dimension V >= 1")
+    mode = _normalize_code(normalize)
+    T = _check_temperature(temperature)
+    red, items, items_v = _reduction_args(reduction, num_items_in_batch)
+    z = logits.reshape(-1, logits.shape[-1])
+    loss, tok, *_ = _logits_op(z, ids, t, m, mode, T, red, items, items_v)
+    return (loss, tok.reshape(lead)) if return_per_token else loss
+
+
+# --- hidden states -------------------------------------------------------------------------------
+
+
+def _hidden_fake(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction, num_items,
+                 num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size):
+    acc = reference.acc_dtype(hidden, weight, t)
+    N = ids.shape[0]
+    gh = torch.empty_like(hidden) if need_gh else hidden.new_empty(0)
+    gw = torch.empty_like(weight) if need_gw else weight.new_empty(0)
+    gb = torch.empty_like(bias) if need_gb else hidden.new_empty(0)
+    return hidden.new_empty((), dtype=acc), hidden.new_empty(N, dtype=acc), gh, gw, gb, hidden.new_empty(1, dtype=acc)
+
+
+def _hidden_bwd_fake(grad_loss, grad_hidden, grad_weight, grad_bias, applied):
+    return None
+
+
+@register_op("kd_hidden_bwd", fake=_hidden_bwd_fake, reference=reference.kd_hidden_bwd,
+             mutates_args=("grad_hidden", "grad_weight", "grad_bias", "applied"))
+def _hidden_bwd_op(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor,
+                   applied: Tensor) -> None:
+    """Rescale the forward's gradients in place to the incoming gradient (no-op when it is 1)."""
+    kernels.hidden_bwd(grad_loss, grad_hidden, grad_weight, grad_bias, applied)
+
+
+def _hidden_setup(ctx, inputs, output):
+    _, tok, gh, gw, gb, applied = output
+    ctx.mark_non_differentiable(tok, gh, gw, gb, applied)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(gh, gw, gb, applied)
+
+
+def _hidden_backward(ctx, grad_loss, *_):
+    gh, gw, gb, applied = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    if (need_h and gh.dim() == 1) or (need_w and gw.dim() == 1) or (need_b and gb.numel() == 0):
+        raise RuntimeError("topk_kd_loss_from_hidden: a gradient was not computed in the forward pass "
+                           "(the input did not require grad, or grad mode was off, when the loss was computed)")
+    if grad_loss is None:
+        return (None,) * 17
+    _hidden_bwd_op(grad_loss, gh, gw, gb, applied)
+    return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 14
+
+
+@register_op("kd_hidden", fake=_hidden_fake, reference=reference.kd_hidden_fwd, backward=_hidden_backward,
+             setup_context=_hidden_setup)
+def _hidden_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, t: Tensor, mask: Tensor,
+               labels: Optional[Tensor], normalize: int, temperature: float, reduction: int,
+               num_items: Optional[Tensor], num_items_value: float, ce_weight: float, need_gh: bool, need_gw: bool,
+               need_gb: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return kernels.hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction,
+                              num_items, num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size)
+
+
+def _needs_grad(t: Optional[Tensor]) -> bool:
+    return t is not None and torch.is_grad_enabled() and t.requires_grad
+
+
+def topk_kd_loss_from_hidden(
+    hidden: Tensor, lm_head_weight: Tensor, target_token_ids: Tensor, target_logprobs: Tensor,
+    target_mask: Optional[Tensor] = None, *, normalize: str = "full", temperature: float = 1.0,
+    reduction: str = "mean", num_items_in_batch: Union[int, float, Tensor, None] = None,
+    lm_head_bias: Optional[Tensor] = None, labels: Optional[Tensor] = None, ce_weight: float = 0.0,
+    return_per_token: bool = False, chunk_size: Optional[int] = None,
+):
+    """Top-K distillation loss from the student's last hidden states, fused with the LM head.
+
+    ``logits = hidden @ lm_head_weight.T (+ lm_head_bias)`` is never materialised for all tokens:
+    tokens go in chunks (``chunk_size`` rows, default about 256 MiB of logits); each chunk's logits
+    come from a cuBLAS matmul, a Triton kernel computes the loss and overwrites them with their
+    gradient in place, and two more matmuls accumulate grad_hidden and the weight gradient (in the
+    weight's dtype). ``normalize="topk"`` without cross-entropy only reads the K weight rows of each
+    token and never touches V. Gradients are computed in the forward pass (for an incoming
+    gradient of 1) and rescaled on the device in the backward, so call backward once per forward
+    (``retain_graph`` double backward is still exact).
+
+    Args:
+        hidden: ``[..., H]`` student hidden states.
+        lm_head_weight: ``[V, H]`` (same dtype as ``hidden``).
+        target_token_ids, target_logprobs, target_mask: ``[..., K]`` teacher top-K (see
+            :func:`topk_kd_loss_from_logits`).
+        normalize, temperature, reduction, num_items_in_batch: as in :func:`topk_kd_loss_from_logits`.
+        lm_head_bias: ``[V]`` or None.
+        labels: ``[...]`` hard labels for an added cross-entropy (ignore index -100), or None.
+        ce_weight: weight of the cross-entropy term, computed on the untempered logits with the same
+            reduction (``"mean"``: over labels that are not -100).
+        return_per_token: also return the per-token KD loss ``[...]`` (not differentiable).
+        chunk_size: tokens per chunk (default: from the vocabulary size).
+
+    Returns:
+        ``loss`` (float32, or float64 for float64 inputs), or ``(loss, per_token)``.
+    """
+    check_tensor("lm_head_weight", lm_head_weight, shape=(None, None), dtypes=FLOAT_DTYPES)
+    V, H = lm_head_weight.shape
+    dev = lm_head_weight.device
+    check_tensor("hidden", hidden, dtypes=(lm_head_weight.dtype,), device=dev)
+    if hidden.dim() < 1 or hidden.shape[-1] != H:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected [..., {H}] (lm_head_weight is [{V}, {H}])")
+    ids, t, m, lead = _check_targets(target_token_ids, target_logprobs, target_mask, dev)
+    if tuple(hidden.shape[:-1]) != lead:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected {list(lead) + [H]}")
+    check_tensor("lm_head_bias", lm_head_bias, shape=(V,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
+    if V < 1:
+        raise ValueError("lm_head_weight must have at least one row (V >= 1)")
+    if ce_weight and labels is None:
+        raise ValueError("ce_weight is set but labels is None")
+    if labels is not None:
+        check_tensor("labels", labels, dtypes=INDEX_DTYPES, device=dev)
+        if tuple(labels.shape) != lead:
+            raise ValueError(f"labels has shape {tuple(labels.shape)}; expected {list(lead)}")
+        labels = labels.reshape(-1)
+    mode = _normalize_code(normalize)
+    T = _check_temperature(temperature)
+    red, items, items_v = _reduction_args(reduction, num_items_in_batch)
+    h = hidden.reshape(-1, H)
+    w = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
+    loss, tok, *_ = _hidden_op(
+        h, w, lm_head_bias, ids, t, m, labels if ce_weight else None, mode, T, red, items, items_v,
+        float(ce_weight), _needs_grad(hidden), _needs_grad(lm_head_weight), _needs_grad(lm_head_bias),
+        int(chunk_size or 0),
+    )
+    return (loss, tok.reshape(lead)) if return_per_token else loss

@@ -1,0 +1,297 @@
+"""Exact PyTorch references for the top-K knowledge-distillation losses.
+
+Two kinds of function live here:
+
+* ``topk_kd_loss``, ``topk_kd_loss_from_logits``, ``topk_kd_loss_from_hidden``: the plain math,
+  differentiable by autograd, returning ``(loss, per_token)``. Tests compare the kernels against
+  them in float64; benchmarks time them in eager mode and under ``torch.compile``.
+* ``slot_terms`` and the ``*_fwd`` / ``*_bwd`` functions: the same math split the way the
+  registered ops split it, with explicit gradient formulas. They are the ops' CPU implementation
+  when the Triton interpreter is off, and they document what each kernel computes.
+
+Notation (per token): student logits z [V] (or the K gathered ones), s = z / T, teacher slots
+k = 1..K with ids i_k, log-probabilities t_k and a mask; p_k = exp(t_k) on unmasked slots, else 0;
+P = sum_k p_k; lse_K = logsumexp of s over unmasked slots; lse_V = logsumexp of s over the vocab;
+q_j = exp(s_j - lse_V); Q = exp(lse_K - lse_V) (the student mass on the teacher's slots).
+
+    topk:  L = sum_k p_k (t_k - s_{i_k}) + P * lse_K
+    full:  L = sum_k p_k (t_k - s_{i_k}) + P * lse_V
+    tail:  full + (1 - P) * log((1 - P) / (1 - Q))
+
+each multiplied by T**2. Gradient with respect to s (then dL/dz = T * dL/ds, T**2 included):
+dense part ``A * q_j`` over the whole vocab plus a correction ``corr_k`` at each unmasked slot:
+
+    topk:  A = 0,          corr_k = P * exp(s_k - lse_K) - p_k
+    full:  A = P,          corr_k = -p_k
+    tail:  A = P - r * Q,  corr_k = r * q_{i_k} - p_k,   r = (1 - P) / (1 - Q)
+
+Slots sharing an id add up. A token with no unmasked slot has L = 0 and a zero gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+NORMALIZE = {"topk": 0, "full": 1, "tail": 2}
+REDUCTION = {"sum": 0, "mean": 1, "items": 2}
+IGNORE_INDEX = -100
+
+
+def acc_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
+    """Accumulation dtype: float64 if any input is float64, else float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def expm1_neg(d: torch.Tensor) -> torch.Tensor:
+    """1 - exp(d) for d <= 0, clamped away from 0 (the tail term's 1 - Q)."""
+    return (-torch.expm1(d)).clamp_min(torch.finfo(d.dtype).tiny)
+
+
+def _per_token(s_k, t, valid, lse_v, normalize: int):
+    """Per-token loss (without T**2) from the gathered s_k [N, K] and, unless topk, lse_v [N]."""
+    p = torch.where(valid, t.exp(), torch.zeros_like(t))
+    P = p.sum(-1)
+    cross = torch.where(p > 0, p * (t - s_k), torch.zeros_like(t)).sum(-1)
+    has = valid.any(-1)
+    s_safe = torch.where(has[:, None], torch.where(valid, s_k, torch.full_like(s_k, float("-inf"))),
+                         torch.zeros_like(s_k))
+    lse_k = torch.logsumexp(s_safe, -1)
+    if normalize == 0:
+        loss = cross + P * lse_k
+    else:
+        loss = cross + P * lse_v
+        if normalize == 2:
+            om_q = expm1_neg(lse_k - lse_v)
+            om_p = (1 - P).clamp_min(0)
+            loss = loss + torch.where(om_p > 0, om_p * (om_p.clamp_min(torch.finfo(P.dtype).tiny).log() - om_q.log()),
+                                      torch.zeros_like(om_p))
+    return torch.where(has, loss, torch.zeros_like(loss))
+
+
+def _reduce(per_token, valid, reduction: str, num_items_in_batch):
+    total = per_token.sum()
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
+    if reduction == "mean":
+        return total / valid.any(-1).sum().clamp_min(1)
+    return total
+
+
+def _flatten(x, k_dims=1):
+    return x.reshape(-1, *x.shape[x.dim() - k_dims:]) if x.dim() > k_dims else x.reshape(1, *x.shape)
+
+
+def _mask(target_mask, like):
+    return torch.ones_like(like, dtype=torch.bool) if target_mask is None else target_mask.reshape(like.shape) != 0
+
+
+def topk_kd_loss(student_logits_topk, target_logprobs, target_mask=None, *, temperature=1.0, reduction="mean",
+                 num_items_in_batch=None):
+    """Reference for :func:`sparsefuse.topk_kd_loss`: ``(loss, per_token [...])``."""
+    lead = student_logits_topk.shape[:-1]
+    z = _flatten(student_logits_topk)
+    dt = acc_dtype(z, target_logprobs)
+    t = target_logprobs.reshape(z.shape).to(dt)
+    valid = _mask(target_mask, z)
+    tok = _per_token(z.to(dt) / temperature, t, valid, None, 0) * temperature**2
+    return _reduce(tok, valid, reduction, num_items_in_batch), tok.reshape(lead)
+
+
+def topk_kd_loss_from_logits(logits, target_token_ids, target_logprobs, target_mask=None, *, normalize="full",
+                             temperature=1.0, reduction="mean", num_items_in_batch=None):
+    """Reference for :func:`sparsefuse.topk_kd_loss_from_logits`: ``(loss, per_token [...])``."""
+    lead = target_token_ids.shape[:-1]
+    ids = _flatten(target_token_ids)
+    z = logits.reshape(ids.shape[0], logits.shape[-1])
+    dt = acc_dtype(z, target_logprobs)
+    t = target_logprobs.reshape(ids.shape).to(dt)
+    valid = _mask(target_mask, ids)
+    s = z.to(dt) / temperature
+    s_k = s.gather(-1, torch.where(valid, ids, torch.zeros_like(ids)).long())
+    mode = NORMALIZE[normalize]
+    lse_v = torch.logsumexp(s, -1) if mode else None
+    tok = _per_token(s_k, t, valid, lse_v, mode) * temperature**2
+    return _reduce(tok, valid, reduction, num_items_in_batch), tok.reshape(lead)
+
+
+def cross_entropy_terms(logits, labels):
+    """(sum of per-token CE over labels != -100, count of such labels), in the logits' dtype."""
+    labels = labels.reshape(-1)
+    has = labels != IGNORE_INDEX
+    lse = torch.logsumexp(logits, -1)
+    z_l = logits.gather(-1, torch.where(has, labels, torch.zeros_like(labels)).long()[:, None])[:, 0]
+    return torch.where(has, lse - z_l, torch.zeros_like(lse)).sum(), has.sum()
+
+
+def topk_kd_loss_from_hidden(hidden, lm_head_weight, target_token_ids, target_logprobs, target_mask=None, *,
+                             normalize="full", temperature=1.0, reduction="mean", num_items_in_batch=None,
+                             lm_head_bias=None, labels=None, ce_weight=0.0):
+    """Reference for :func:`sparsefuse.topk_kd_loss_from_hidden`: materialises the logits (in the
+    accumulation dtype) and adds ``ce_weight`` times the hard-label cross-entropy."""
+    dt = acc_dtype(hidden, lm_head_weight, target_logprobs)
+    h = hidden.reshape(-1, hidden.shape[-1]).to(dt)
+    logits = h @ lm_head_weight.to(dt).t()
+    if lm_head_bias is not None:
+        logits = logits + lm_head_bias.to(dt)
+    loss, tok = topk_kd_loss_from_logits(logits, target_token_ids, target_logprobs, target_mask, normalize=normalize,
+                                         temperature=temperature, reduction=reduction,
+                                         num_items_in_batch=num_items_in_batch)
+    if ce_weight and labels is not None:
+        ce_sum, n = cross_entropy_terms(logits, labels)
+        if num_items_in_batch is not None:
+            ce = ce_sum / num_items_in_batch
+        elif reduction == "mean":
+            ce = ce_sum / n.clamp_min(1)
+        else:
+            ce = ce_sum
+        loss = loss + ce_weight * ce
+    return loss, tok
+
+
+# --- the ops' CPU implementations --------------------------------------------------------------
+
+
+def slot_terms(s_k, t, valid, lse_v, normalize: int):
+    """Explicit per-token terms: (loss [N] without T**2, A [N], corr [N, K]); see the module doc."""
+    p = torch.where(valid, t.exp(), torch.zeros_like(t))
+    P = p.sum(-1)
+    cross = torch.where(p > 0, p * (t - s_k), torch.zeros_like(t)).sum(-1)
+    has = valid.any(-1)
+    s_m = torch.where(valid, s_k, torch.full_like(s_k, float("-inf")))
+    mx = torch.where(has, s_m.amax(-1), torch.zeros_like(P))
+    e = (s_m - mx[:, None]).exp()
+    se = e.sum(-1)
+    lse_k = mx + torch.where(has, se, torch.ones_like(se)).log()
+    zero = torch.zeros_like(P)
+    if normalize == 0:
+        loss = cross + P * lse_k
+        A = zero
+        corr = P[:, None] * e / torch.where(has, se, torch.ones_like(se))[:, None] - p
+    else:
+        loss = cross + P * lse_v
+        q = (s_k - lse_v[:, None]).exp()
+        if normalize == 1:
+            A, corr = P, -p
+        else:
+            om_q = expm1_neg(lse_k - lse_v)
+            om_p = (1 - P).clamp_min(0)
+            tiny = torch.finfo(P.dtype).tiny
+            loss = loss + torch.where(om_p > 0, om_p * (om_p.clamp_min(tiny).log() - om_q.log()), zero)
+            r = om_p / om_q
+            A = P - r * (lse_k - lse_v).exp()
+            corr = r[:, None] * q - p
+    corr = torch.where(valid, corr, torch.zeros_like(corr))
+    return torch.where(has, loss, zero), torch.where(has, A, zero), corr
+
+
+def _row_scale(grad_loss, grad_tok, scale, n):
+    f = (grad_loss * scale).expand(n)
+    return f if grad_tok is None else f + grad_tok.to(f.dtype)
+
+
+def _scales(flags, reduction: int, num_items, num_items_value: float, dt, labels=None, ce_weight: float = 0.0):
+    """(kd weight per token, ce weight per token) as a [2] tensor of dtype dt, like the reduce kernel."""
+    def denom(count):
+        if reduction == 1:
+            return count.to(dt).clamp_min(1)
+        if reduction == 2:
+            return num_items.to(dt).reshape(()) if num_items is not None else torch.tensor(num_items_value, dtype=dt)
+        return torch.ones((), dtype=dt)
+    kd = 1 / denom(flags.sum())
+    ce = (ce_weight / denom((labels != IGNORE_INDEX).sum())) if labels is not None else torch.zeros((), dtype=dt)
+    return torch.stack([kd, ce.to(dt)])
+
+
+def kd_topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value):
+    dt = acc_dtype(z, t)
+    valid = mask != 0
+    loss, _, _ = slot_terms(z.to(dt) / temperature, t.to(dt), valid, None, 0)
+    tok = loss * temperature**2
+    scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt)
+    return (tok * scale[0]).sum(), tok, scale
+
+
+def kd_topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature):
+    dt = scale.dtype
+    _, _, corr = slot_terms(z.to(dt) / temperature, t.to(dt), mask != 0, None, 0)
+    f = _row_scale(grad_loss.to(dt), grad_tok, scale[0], z.shape[0]) * temperature
+    return (corr * f[:, None]).to(z.dtype)
+
+
+def _gather(z, ids, valid):
+    return z.gather(-1, torch.where(valid, ids, torch.zeros_like(ids)).long())
+
+
+def kd_logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
+    dt = acc_dtype(z, t)
+    valid = mask != 0
+    s = z.to(dt) / temperature
+    lse = torch.logsumexp(s, -1) if normalize else torch.zeros(z.shape[0], dtype=dt)
+    loss, A, corr = slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize)
+    tok = loss * temperature**2
+    scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt)
+    return (tok * scale[0]).sum(), tok, scale, lse, A, corr
+
+
+def dense_grad(z, ids, mask, lse, A, corr, c_kd, temperature, labels=None, lse1=None, c_ce=None):
+    """dL/dz [N, V] in the accumulation dtype: c_kd * T * (A q + slot corrections) (+ c_ce * (softmax - onehot))."""
+    g = (c_kd * temperature * A)[:, None] * (z.to(A.dtype) / temperature - lse[:, None]).exp()
+    valid = mask != 0
+    g = g.scatter_add(-1, torch.where(valid, ids, torch.zeros_like(ids)).long(),
+                      corr * (c_kd * temperature)[:, None])
+    if labels is not None:
+        has = labels != IGNORE_INDEX
+        c_ce = torch.where(has, c_ce, torch.zeros_like(c_ce))
+        g = g + c_ce[:, None] * (z.to(A.dtype) - lse1[:, None]).exp()
+        lab = torch.where(has, labels, torch.zeros_like(labels)).long()[:, None]
+        g = g.scatter_add(-1, lab, torch.where(has, -c_ce, torch.zeros_like(c_ce))[:, None])
+    return g
+
+
+def kd_logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature):
+    del normalize
+    f = _row_scale(grad_loss.to(A.dtype), grad_tok, scale[0], z.shape[0])
+    return dense_grad(z, ids, mask, lse, A, corr, f, temperature).to(z.dtype)
+
+
+def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction, num_items,
+                  num_items_value, ce_weight, need_grad_hidden, need_grad_weight, need_grad_bias, chunk_size):
+    """(loss, per-token KD loss, grad_hidden, grad_weight, grad_bias, applied); gradients of the loss
+    for an incoming gradient of 1 (empty when not needed), ``applied`` the factor they carry (1)."""
+    del chunk_size
+    dt = acc_dtype(hidden, weight, t)
+    z = hidden.to(dt) @ weight.to(dt).t()
+    if bias is not None:
+        z = z + bias.to(dt)
+    valid = mask != 0
+    s = z / temperature
+    lse = torch.logsumexp(s, -1)
+    loss, A, corr = slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize)
+    tok = loss * temperature**2
+    has_ce = labels is not None and ce_weight != 0.0
+    scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt, labels if has_ce else None, ce_weight)
+    total = (tok * scale[0]).sum()
+    N = z.shape[0]
+    lse1 = c_ce = None
+    if has_ce:
+        ce_sum, _ = cross_entropy_terms(z, labels)
+        total = total + ce_sum * scale[1]
+        lse1 = torch.logsumexp(z, -1)
+        c_ce = scale[1].expand(N)
+    g = dense_grad(z, ids, mask, lse, A, corr, scale[0].expand(N), temperature, labels if has_ce else None, lse1, c_ce)
+    empty = hidden.new_empty(0)
+    gh = (g @ weight.to(dt)).to(hidden.dtype) if need_grad_hidden else empty
+    gw = (g.t() @ hidden.to(dt)).to(weight.dtype) if need_grad_weight else weight.new_empty(0)
+    gb = g.sum(0).to(bias.dtype) if need_grad_bias else hidden.new_empty(0)
+    return total, tok, gh, gw, gb, torch.ones(1, dtype=dt)
+
+
+def kd_hidden_bwd(grad_loss, grad_hidden, grad_weight, grad_bias, applied):
+    """Rescale the forward's gradients in place from the factor they carry to grad_loss."""
+    f = grad_loss.to(applied.dtype) / applied[0]
+    for x in (grad_hidden, grad_weight, grad_bias):
+        if x.numel():
+            x.mul_(f.to(x.dtype))
+    applied.copy_(grad_loss.reshape(1).to(applied.dtype))
