@@ -11,17 +11,16 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
   rows (``_sae_weight_grad_kernel``) over entries sorted by feature. The residual is B*D floats, so
   those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
   deterministic.
-* Hierarchical: the gradient of row (b, j) is v_j * E_j with E_j the suffix sum of the prefix
-  errors, a different vector for every (b, j), so it cannot be rebuilt from O(B*D) data. One fused
-  pass (``_hierarchical_sae_fwd_kernel``) computes the loss, gv, the bias gradient and scatters
-  c * v_j * E_j into an fp32 weight-gradient buffer with atomics; the backward only multiplies by the
-  incoming gradient (skipped on the device when it is 1). Deterministic mode stages the rows instead
-  and reuses the segmented sum.
+* Hierarchical: the gradient of row (b, j) is c * v_j * E_j with E_j = sum_{k>=j} e_k, the suffix
+  sum of the prefix errors: a different vector for every (b, j), so it cannot be rebuilt from
+  O(B*D) data and must be scattered. The forward sweeps the latents once per D tile and saves
+  E_0 [B, D]; the backward sweeps them again from E_0, producing gv and scattering g * c * v_j * E_j
+  with fp32 atomics (about 2/3 of its time at K = 128: every atomic misses L2, since the F x D
+  gradient is far larger than L2). Deterministic mode stages the B*K rows and reuses the segmented
+  sum instead.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import triton
@@ -35,7 +34,6 @@ from .reference import acc_dtype
 # A gather tile holds BLOCK_K x BLOCK_D elements in registers; two warps a row was best at every K.
 _GATHER_TILE = 8192
 _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
-_SCALE_BLOCK = 1024 if INTERPRET else 4096
 
 
 def _gather_config(K: int, D: int, itemsize: int) -> dict:
@@ -49,8 +47,7 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
 def _hier_config(K: int, D: int) -> dict:
     """One warp a row: the sweeps are latency-bound, so many small programs beat few wide ones."""
     block_d = 64 if K < 64 else 128
-    return dict(BLOCK_K=triton.next_power_of_2(K), BLOCK_D=min(block_d, max(16, triton.next_power_of_2(max(D, 1)))),
-                num_warps=1)
+    return dict(BLOCK_D=min(block_d, max(16, triton.next_power_of_2(max(D, 1)))), num_warps=1)
 
 
 def _tl_dtype(dt: torch.dtype):
@@ -144,16 +141,72 @@ def _sae_decode_bwd_kernel(
 
 
 @triton.jit
+def _hierarchical_offset(tgt_ptr, bias_ptr, i_b, o_d, m_d, D, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
+    """bias - target[b] on one D tile: the prefix error before any latent is added."""
+    b_off = -tl.load(tgt_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
+    if HAS_BIAS:
+        b_off += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
+    return b_off
+
+
+@triton.jit
+def _load_latent_row(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_d, m_d, K, F, stride_wf, stride_wd, ACC: tl.constexpr):
+    """Latent k of row b: (feature id, value, decoder tile); an out-of-range id gives value NaN."""
+    i_f = tl.load(idx_ptr + i_b * K + i_k).to(tl.int64)
+    ok = (i_f >= 0) & (i_f < F)
+    v = tl.where(ok, tl.load(vals_ptr + i_b * K + i_k).to(ACC), float("nan"))
+    b_w = tl.load(w_ptr + i_f * stride_wf + o_d * stride_wd, mask=m_d & ok, other=0).to(ACC)  # [BLOCK_D]
+    return i_f, ok, v, b_w
+
+
+@triton.jit
 def _hierarchical_sae_fwd_kernel(
     idx_ptr,  # [B, K] int32 | int64
     vals_ptr,  # [B, K]
     w_ptr,  # [F, D], strides (stride_wf, stride_wd)
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D]
+    etot_ptr,  # [B, D] ACC out: E_0 = sum_k e_k
+    loss_ptr,  # [B] ACC out: sum_{k, d} e_k^2
+    K,
+    D,
+    F,
+    stride_wf,
+    stride_wd,
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One row per program; per D tile, one sweep over the latents in order builds the prefix
+    errors e_k = bias + sum_{j<=k} v_j w_j - target, their squares and their sum E_0. A running
+    recurrence keeps every thread on its own columns (a tl.cumsum over a [K, D] tile was 4x slower)."""
+    i_b = tl.program_id(0).to(tl.int64)
+    b_loss = tl.zeros([BLOCK_D], dtype=ACC)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_e = _hierarchical_offset(tgt_ptr, bias_ptr, i_b, o_d, m_d, D, HAS_BIAS, ACC)
+        b_tot = tl.zeros([BLOCK_D], dtype=ACC)
+        for i_k in range(0, K):
+            _, _, v, b_w = _load_latent_row(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_d, m_d, K, F, stride_wf, stride_wd, ACC)
+            b_e += v * b_w
+            b_loss += b_e * b_e
+            b_tot += b_e
+        tl.store(etot_ptr + i_b * D + o_d, b_tot, mask=m_d)
+    tl.store(loss_ptr + i_b, tl.sum(b_loss, axis=0))
+
+
+@triton.jit
+def _hierarchical_sae_bwd_kernel(
+    idx_ptr,  # [B, K] int32 | int64
+    vals_ptr,  # [B, K]
+    w_ptr,  # [F, D], strides (stride_wf, stride_wd)
+    bias_ptr,  # [D] (HAS_BIAS)
+    tgt_ptr,  # [B, D]
+    etot_ptr,  # [B, D] ACC: E_0 from the forward
+    g_ptr,  # [] incoming gradient of the loss
     gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows
-    gv_ptr,  # [B, K] ACC: c * <E_k, w_idx[b, k]>
-    gb_ptr,  # [B, D] ACC: c * E_0 = c * sum_k e_k (HAS_BIAS)
-    loss_ptr,  # [B] ACC: sum_{k, d} e_k^2
+    gv_ptr,  # [B, K] out (vals dtype): g * c * <E_k, w_idx[b, k]>
     K,
     D,
     F,
@@ -166,54 +219,30 @@ def _hierarchical_sae_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One row per program, one D tile at a time, two sequential sweeps over the K latents.
-
-    Sweep 1 builds the prefix errors e_k = bias + sum_{j<=k} v_j w_j - target and their total
-    E_0 = sum_k e_k. Sweep 2 walks the suffix sums E_j = E_{j-1} - e_{j-1}, which are the gradient
-    of the loss with respect to v_j w_j (times c). The decoder tile read in sweep 1 is read again in
-    sweep 2 a few microseconds later, from L1/L2, so HBM sees each active row once. The recurrences
-    keep each thread on its own columns: no cross-thread scans.
-    """
+    """The gradient of the loss with respect to v_j w_j is g * c * E_j, E_j = sum_{k>=j} e_k. Starting
+    from the saved E_0, one forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j."""
     i_b = tl.program_id(0).to(tl.int64)
-    o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
+    o_k = tl.arange(0, BLOCK_K)
+    gc = tl.load(g_ptr).to(ACC) * scale
     b_gv = tl.zeros([BLOCK_K], dtype=ACC)
-    b_loss = tl.zeros([BLOCK_D], dtype=ACC)
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        b_off = -tl.load(tgt_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
-        if HAS_BIAS:
-            b_off += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
-        b_e = b_off
-        b_tot = tl.zeros([BLOCK_D], dtype=ACC)
+        b_s = tl.load(etot_ptr + i_b * D + o_d, mask=m_d, other=0) * gc  # g c E_j, from j = 0
+        b_e = _hierarchical_offset(tgt_ptr, bias_ptr, i_b, o_d, m_d, D, HAS_BIAS, ACC) * gc  # g c e_{j-1}
         for i_k in range(0, K):
-            i_f = tl.load(idx_ptr + i_b * K + i_k).to(tl.int64)
-            ok = (i_f >= 0) & (i_f < F)
-            v = tl.load(vals_ptr + i_b * K + i_k).to(ACC)
-            v = tl.where(ok, v, float("nan"))
-            b_w = tl.load(w_ptr + i_f * stride_wf + o_d * stride_wd, mask=m_d & ok, other=0).to(ACC)  # [BLOCK_D]
-            b_e += v * b_w
-            b_loss += b_e * b_e
-            b_tot += b_e
-        if HAS_BIAS:
-            tl.store(gb_ptr + i_b * D + o_d, b_tot * scale, mask=m_d)
-        b_s = b_tot * scale  # c * E_j, starting at j = 0
-        b_e = b_off * scale  # c * e_{j-1}, starting at c * (bias - target)
-        for i_k in range(0, K):
-            i_f = tl.load(idx_ptr + i_b * K + i_k).to(tl.int64)
-            ok = (i_f >= 0) & (i_f < F)
-            v = tl.load(vals_ptr + i_b * K + i_k).to(ACC)
-            v = tl.where(ok, v, float("nan"))
-            b_w = tl.load(w_ptr + i_f * stride_wf + o_d * stride_wd, mask=m_d & ok, other=0).to(ACC)  # [BLOCK_D]
+            i_f, ok, v, b_w = _load_latent_row(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_d, m_d, K, F, stride_wf,
+                                               stride_wd, ACC)
             b_gv += tl.where(o_k == i_k, tl.sum(b_s * b_w, axis=0), 0.0)
             if WEIGHT_GRAD == 1:
                 tl.atomic_add(gw_ptr + i_f * D + o_d, v * b_s, mask=m_d & ok, sem="relaxed")
             elif WEIGHT_GRAD == 2:
                 tl.store(gw_ptr + (i_b * K + i_k) * D + o_d, v * b_s, mask=m_d)
-            b_e += (v * scale) * b_w
+            b_e += (v * gc) * b_w
             b_s -= b_e
-    tl.store(gv_ptr + i_b * K + o_k, b_gv, mask=m_k)
-    tl.store(loss_ptr + i_b, tl.sum(b_loss, axis=0))
+    b_valid = tl.load(idx_ptr + i_b * K + o_k, mask=o_k < K, other=0).to(tl.int64)
+    b_gv = tl.where((b_valid >= 0) & (b_valid < F), b_gv, float("nan"))
+    tl.store(gv_ptr + i_b * K + o_k, b_gv.to(gv_ptr.dtype.element_ty), mask=o_k < K)
 
 
 @triton.jit
@@ -256,24 +285,6 @@ def _sae_weight_grad_kernel(
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
     tl.store(gw_ptr + i_f * D + o_d, b_acc.to(gw_ptr.dtype.element_ty), mask=m_d)
-
-
-@triton.jit
-def _scale_kernel(
-    x_ptr,  # [N] ACC
-    g_ptr,  # [] scalar factor
-    out_ptr,  # [N]; may be x_ptr (IN_PLACE)
-    N,
-    IN_PLACE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out = g * x. In place with g == 1 there is nothing to do, and the program exits at once."""
-    b_g = tl.load(g_ptr).to(tl.float32)
-    if (not IN_PLACE) or (b_g != 1.0):
-        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = o < N
-        b_x = tl.load(x_ptr + o, mask=m, other=0)
-        tl.store(out_ptr + o, (b_x * tl.load(g_ptr).to(b_x.dtype)).to(out_ptr.dtype.element_ty), mask=m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,61 +392,59 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
     return grad_vals, grad_weight, grad_bias
 
 
-def hierarchical_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic):
-    """(loss [] ACC, gw [F, D] ACC or [0], gv [B, K] ACC, gb [D] ACC); gradients pre-scaled by 2/(B*K*D)."""
+def hierarchical_loss_fwd(indices, weight, vals, bias, target):
+    """(loss [] ACC, etot [B, D] ACC) with etot[b] = sum_k of the prefix errors of row b."""
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
     acc = acc_dtype(weight, vals, bias, target)
-    dev = vals.device
-    c = 2.0 / max(B * K * D, 1)
-    gv = torch.empty(B, K, device=dev, dtype=acc)
-    gb_rows = torch.empty(B if bias is not None else 0, D, device=dev, dtype=acc)
-    row_loss = torch.empty(B, device=dev, dtype=acc)
-    mode = 0
-    if need_weight_grad:
-        mode = 2 if deterministic else 1
-        staged = (torch.empty(B * K, D, device=dev, dtype=acc) if deterministic
-                  else torch.zeros(F, D, device=dev, dtype=acc))
-    else:
-        staged = None
+    etot = torch.empty(B, D, device=vals.device, dtype=acc)
+    row_loss = torch.empty(B, device=vals.device, dtype=acc)
     if B > 0 and D > 0:
         _hierarchical_sae_fwd_kernel[(B,)](
-            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), staged, gv, gb_rows,
-            row_loss, K, D, F, *_weight_strides(weight), c,
-            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), **_hier_config(K, D),
+            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, row_loss,
+            K, D, F, *_weight_strides(weight),
+            HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **_hier_config(K, D),
         )
     else:
-        for t in (gv, gb_rows, row_loss):
+        for t in (etot, row_loss):
             t.zero_()
+    return row_loss.sum() / max(B * K * D, 1), etot
+
+
+def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
+    """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC), all scaled by grad_loss.
+
+    The weight gradient is scattered with fp32 atomics into a zeroed buffer (the output itself for an
+    fp32 weight), or, when ``deterministic``, staged as B*K rows and reduced in a fixed order.
+    """
+    B, K = indices.shape
+    F, D = weight.shape
+    acc = etot.dtype
+    c = 2.0 / max(B * K * D, 1)
+    g = grad_loss.to(acc)
+    grad_vals = torch.empty(B, K, device=vals.device, dtype=vals.dtype)
+    grad_bias = etot.sum(0) * (g * c)
+    mode, buf = 0, None
+    if need_weight_grad:
+        mode = 2 if deterministic else 1
+        buf = (torch.empty(B * K, D, device=vals.device, dtype=acc) if deterministic
+               else torch.zeros(F, D, device=vals.device, dtype=acc))
+    if B > 0 and D > 0:
+        _hierarchical_sae_bwd_kernel[(B,)](
+            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, grad_vals,
+            K, D, F, *_weight_strides(weight), c,
+            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), BLOCK_K=triton.next_power_of_2(K),
+            **_hier_config(K, D),
+        )
+    else:
+        grad_vals.zero_()
         if mode == 2:
-            staged.zero_()
+            buf.zero_()
     if mode == 2:
-        gw = weight_grad(indices, staged, None, F, acc, row_per_entry=True)
+        grad_weight = weight_grad(indices, buf, None, F, weight.dtype, row_per_entry=True)
     elif mode == 1:
-        gw = staged
+        grad_weight = buf.to(weight.dtype)
     else:
-        gw = torch.empty(0, device=dev, dtype=acc)
-    gb = gb_rows.sum(0) if bias is not None else torch.zeros(D, device=dev, dtype=acc)
-    return row_loss.sum() * (c / 2), gw, gv, gb
-
-
-def scale_(x: torch.Tensor, g: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """out = g * x (out defaults to x, in place; then g == 1 costs one launch and no memory traffic)."""
-    in_place = out is None
-    out = x if in_place else out
-    n = x.numel()
-    if n:
-        _scale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](x, g, out, n, IN_PLACE=in_place, BLOCK=_SCALE_BLOCK)
-    return out
-
-
-def hierarchical_loss_bwd(grad_loss, gw, gv, gb, vals_dtype, weight_dtype):
-    """Scale the forward's pre-computed gradients by grad_loss (see reference.hierarchical_sae_loss_bwd)."""
-    g = grad_loss.to(gv.dtype)
-    if gw.dtype == weight_dtype or gw.numel() == 0:
-        scale_(gw, g)
-        grad_weight = gw.new_empty(0, dtype=weight_dtype)
-    else:
-        grad_weight = scale_(gw, g, out=torch.empty(gw.shape, device=gw.device, dtype=weight_dtype))
-    return (gv * g).to(vals_dtype), grad_weight, gb * g
+        grad_weight = weight.new_empty(0)
+    return grad_vals, grad_weight, grad_bias

@@ -39,10 +39,6 @@ def _use_deterministic(deterministic: Optional[bool]) -> bool:
     return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
 
 
-def _needs_weight_grad(weight: Tensor) -> bool:
-    return torch.is_grad_enabled() and weight.requires_grad
-
-
 # --- sae_decode ------------------------------------------------------------------------------
 
 
@@ -175,64 +171,53 @@ def topk_sae_loss(
 # --- hierarchical_sae_loss -------------------------------------------------------------------
 
 
-def _hier_fake(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+def _hier_fake(indices, weight, vals, bias, target, deterministic):
     acc = reference.acc_dtype(weight, vals, bias, target)
-    gw = vals.new_empty(weight.shape, dtype=acc) if need_weight_grad else vals.new_empty(0, dtype=acc)
-    return (vals.new_empty((), dtype=acc), gw, vals.new_empty(indices.shape, dtype=acc),
-            vals.new_empty(weight.shape[1], dtype=acc))
+    return vals.new_empty((), dtype=acc), vals.new_empty(indices.shape[0], weight.shape[1], dtype=acc)
 
 
-def _hier_reference(indices, weight, vals, bias, target, need_weight_grad, deterministic):
-    return reference.hierarchical_sae_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic)
+def _hier_bwd_fake(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
+    grad_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
+    return torch.empty_like(vals), grad_weight, etot.new_empty(etot.shape[1])
 
 
-def _hier_bwd_fake(grad_loss, gw, gv, gb, vals_dtype, weight_dtype):
-    in_place = gw.numel() == 0 or gw.dtype == weight_dtype
-    grad_weight = gw.new_empty(0, dtype=weight_dtype) if in_place else gw.new_empty(gw.shape, dtype=weight_dtype)
-    return gv.new_empty(gv.shape, dtype=vals_dtype), grad_weight, torch.empty_like(gb)
-
-
-@register_op("hierarchical_sae_loss_bwd", fake=_hier_bwd_fake, mutates_args=("gw",),
-             reference=reference.hierarchical_sae_loss_bwd)
+@register_op("hierarchical_sae_loss_bwd", fake=_hier_bwd_fake, reference=reference.hierarchical_sae_loss_bwd)
 def _hier_bwd_op(
-    grad_loss: Tensor, gw: Tensor, gv: Tensor, gb: Tensor, vals_dtype: torch.dtype, weight_dtype: torch.dtype
+    grad_loss: Tensor, indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
+    etot: Tensor, need_weight_grad: bool, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Apply the incoming gradient. When ``gw`` already has the weight's dtype it is scaled in place
-    and the returned grad_weight is empty (``gw`` is then the gradient): one fp32 copy, not two."""
-    return kernels.hierarchical_loss_bwd(grad_loss, gw, gv, gb, vals_dtype, weight_dtype)
+    return kernels.hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad,
+                                         deterministic)
 
 
 def _hier_setup(ctx, inputs, output):
-    indices, weight, vals, bias, target, need_weight_grad, deterministic = inputs
-    _, gw, gv, gb = output
-    ctx.mark_non_differentiable(gw, gv, gb)
-    ctx.save_for_backward(gw, gv, gb)
-    ctx.dtypes = (vals.dtype, weight.dtype, None if bias is None else bias.dtype)
+    indices, weight, vals, bias, target, deterministic = inputs
+    _, etot = output
+    ctx.mark_non_differentiable(etot)
+    ctx.save_for_backward(indices, weight, vals, bias, target, etot)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.deterministic = deterministic
 
 
-def _hier_backward(ctx, grad_loss, _grad_gw, _grad_gv, _grad_gb):
-    gw, gv, gb = ctx.saved_tensors
-    vals_dtype, weight_dtype, bias_dtype = ctx.dtypes
-    _, need_weight, need_vals, need_bias, _, _, _ = ctx.needs_input_grad
-    gvals, grad_weight, gbias = _hier_bwd_op(grad_loss, gw, gv, gb, vals_dtype, weight_dtype)
-    if need_weight and gw.numel() == 0:
-        raise RuntimeError(
-            "hierarchical_sae_loss: the weight gradient was not computed in the forward pass "
-            "(weight did not require grad, or grad mode was off, when the loss was computed)"
-        )
-    if need_weight and grad_weight.numel() == 0:
-        grad_weight = gw  # scaled in place by the backward op
-    return (None, grad_weight if need_weight else None, gvals if need_vals else None,
-            gbias.to(bias_dtype) if need_bias else None, None, None, None)
+def _hier_backward(ctx, grad_loss, _grad_etot):
+    indices, weight, vals, bias, target, etot = ctx.saved_tensors
+    _, need_weight, need_vals, need_bias, _, _ = ctx.needs_input_grad
+    gvals, gw, gb = _hier_bwd_op(grad_loss, indices, weight, vals, bias, target, etot, need_weight,
+                                 ctx.deterministic)
+    return (None, gw if need_weight else None, gvals if need_vals else None,
+            gb.to(ctx.bias_dtype) if need_bias else None, None, None)
+
+
+def _hier_reference(indices, weight, vals, bias, target, deterministic):
+    return reference.hierarchical_sae_loss_fwd(indices, weight, vals, bias, target)
 
 
 @register_op("hierarchical_sae_loss", fake=_hier_fake, reference=_hier_reference,
              backward=_hier_backward, setup_context=_hier_setup)
-def _hier_op(
-    indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
-    need_weight_grad: bool, deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return kernels.hierarchical_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic)
+def _hier_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
+             deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``deterministic`` only matters to the backward (it picks how the weight gradient is summed)."""
+    return kernels.hierarchical_loss_fwd(indices, weight, vals, bias, target)
 
 
 def hierarchical_sae_loss(
@@ -247,12 +232,11 @@ def hierarchical_sae_loss(
     so that prefix k is the k-sparse reconstruction. Same arguments, dtypes and B = 0 rule as
     :func:`topk_sae_loss`.
 
-    The decoder is read once: the forward pass also computes every gradient (pre-scaled, in fp32)
-    when ``weight`` requires grad, and the backward multiplies by the incoming gradient. The weight
-    gradient is scattered with fp32 atomics (sum order varies in the last bits run to run) unless
-    ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)``, which stages the B*K
-    gradient rows (B*K*D extra floats) and reduces them in a fixed order instead.
+    The forward reads the active decoder rows once and saves only E_0 = sum_k e_k ([B, D] fp32);
+    the backward reads them once more. The weight gradient is scattered with fp32 atomics (the
+    summation order, and so the last bits, vary run to run) unless ``deterministic=True`` or
+    ``torch.use_deterministic_algorithms(True)`` (read when the loss is computed), which stages the
+    B*K gradient rows (B*K*D extra floats) and reduces them in a fixed order instead.
     """
     _check_inputs(indices, weight, vals, bias, target)
-    return _hier_op(indices, weight, vals, bias, target, _needs_weight_grad(weight),
-                    _use_deterministic(deterministic))[0]
+    return _hier_op(indices, weight, vals, bias, target, _use_deterministic(deterministic))[0]

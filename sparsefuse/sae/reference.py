@@ -102,38 +102,31 @@ def topk_sae_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_g
     return grad_vals, grad_weight, grad_bias
 
 
-def hierarchical_sae_loss_fwd(indices, weight, vals, bias, target, need_weight_grad, deterministic):
-    """Returns (loss, gw [F, D] or [0], gv [B, K], gb [D]), all gradients already scaled by 2/(B*K*D).
-
-    With prefix errors e_k = bias + sum_{j<=k} u_j - target (u_j = vals_j * w_idx_j) and suffix sums
-    E_j = sum_{k>=j} e_k: d loss / d u_j = c * E_j, with c = 2 / (B*K*D).
-    """
-    del deterministic  # the CPU path is deterministic anyway
+def hierarchical_sae_loss_fwd(indices, weight, vals, bias, target):
+    """Returns (loss, etot [B, D]) with prefix errors e_k = bias + sum_{j<=k} v_j w_j - target and
+    etot = E_0 = sum_k e_k."""
     dt = acc_dtype(weight, vals, bias, target)
-    B, K = indices.shape
-    rows = weight[indices.long()].to(dt)
-    v = vals.to(dt)
-    err = (v.unsqueeze(-1) * rows).cumsum(1) - target.to(dt).unsqueeze(1)
-    if bias is not None:
-        err = err + bias.to(dt)
-    c = 2.0 / max(err.numel(), 1)
-    loss = err.square().sum() * (c / 2)
-    suffix = err.flip(1).cumsum(1).flip(1)  # [B, K, D]
-    gv = torch.einsum("bkd,bkd->bk", suffix, rows) * c
-    gb = suffix[:, 0].sum(0) * c if K > 0 else err.new_zeros(err.shape[-1])
+    err = _prefix_errors(indices, weight, vals, bias, target, dt)
+    return err.square().sum() / max(err.numel(), 1), err.sum(1)
+
+
+def _prefix_errors(indices, weight, vals, bias, target, dt):
+    err = (vals.to(dt).unsqueeze(-1) * weight[indices.long()].to(dt)).cumsum(1) - target.to(dt).unsqueeze(1)
+    return err if bias is None else err + bias.to(dt)
+
+
+def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
+    """d loss / d (v_j w_j) = g * c * E_j with E_j = sum_{k>=j} e_k and c = 2 / (B*K*D)."""
+    del deterministic  # the CPU path is deterministic anyway
+    dt = etot.dtype
+    err = _prefix_errors(indices, weight, vals, bias, target, dt)
+    gc = grad_loss.to(dt) * (2.0 / max(err.numel(), 1))
+    suffix = err.flip(1).cumsum(1).flip(1) * gc  # [B, K, D]
+    grad_vals = torch.einsum("bkd,bkd->bk", suffix, weight[indices.long()].to(dt)).to(vals.dtype)
+    grad_bias = etot.sum(0) * gc
     if need_weight_grad:
-        gw = _scatter_rows(indices, (v.unsqueeze(-1) * suffix).reshape(-1, err.shape[-1]), weight.shape[0]) * c
+        rows = (vals.to(dt).unsqueeze(-1) * suffix).reshape(-1, err.shape[-1])
+        grad_weight = _scatter_rows(indices, rows, weight.shape[0]).to(weight.dtype)
     else:
-        gw = err.new_empty(0)
-    return loss, gw, gv, gb
-
-
-def hierarchical_sae_loss_bwd(grad_loss, gw, gv, gb, vals_dtype, weight_dtype):
-    """Scale the pre-computed gradients by grad_loss; gw is scaled in place when its dtype is the weight's."""
-    g = grad_loss.to(gv.dtype)
-    if gw.dtype == weight_dtype or gw.numel() == 0:
-        gw.mul_(g)
-        grad_weight = gw.new_empty(0, dtype=weight_dtype)
-    else:
-        grad_weight = (gw * g).to(weight_dtype)
-    return (gv * g).to(vals_dtype), grad_weight, gb * g
+        grad_weight = weight.new_empty(0)
+    return grad_vals, grad_weight, grad_bias

@@ -1,0 +1,115 @@
+"""Activations to train SAEs on: an embedded synthetic set with a known dictionary, or a file.
+
+Synthetic set (:func:`synthetic_activations`), seeded and generated on the fly, nothing stored:
+
+* a ground-truth dictionary ``G [n_features, D]`` of random unit vectors, with ``n_features > D``
+  (features in superposition: they cannot all be orthogonal);
+* feature i fires in a row with probability ``p_i`` that falls off with its rank like
+  ``1 / (i + 10)``, scaled so that on average ``mean_active`` features fire per row;
+* a firing feature has magnitude ``m_i * s`` with a per-feature scale ``m_i`` log-uniform in
+  ``[0.5, 2]`` and ``s ~ Exponential(1)``, so a few features dominate each row;
+* ``x = sum_i a_i G_i + noise``, the noise isotropic Gaussian with ``noise`` times the mean
+  per-element standard deviation of the signal.
+
+Files (:func:`load_activations`): ``.npy``, ``.pt`` / ``.pth`` (a tensor, or a dict holding one) or
+``.safetensors`` (key ``activations``, or its only tensor), of shape ``[N, D]``, finite, float.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def synthetic_dictionary(d_model: int, n_features: int, seed: int = 0) -> Tensor:
+    """``[n_features, d_model]`` float32 random unit rows (the ground truth)."""
+    g = torch.Generator().manual_seed(seed)
+    G = torch.randn(n_features, d_model, generator=g, dtype=torch.float64)
+    return (G / G.norm(dim=1, keepdim=True)).float()
+
+
+def synthetic_activations(
+    n: int, d_model: int = 64, n_features: int = 512, mean_active: float = 12.0, noise: float = 0.02,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """``(x [n, d_model], G [n_features, d_model])``, both float32, following the module docstring."""
+    if min(n, d_model, n_features) < 1 or mean_active <= 0:
+        raise ValueError("synthetic_activations needs n, d_model, n_features >= 1 and mean_active > 0")
+    G = synthetic_dictionary(d_model, n_features, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    rank = torch.arange(n_features, dtype=torch.float64)
+    p = 1.0 / (rank + 10.0)
+    p = (p * mean_active / p.sum()).clamp(max=1.0)
+    scale = torch.exp(torch.empty(n_features, dtype=torch.float64).uniform_(-0.693, 0.693, generator=g))
+    x = torch.empty(n, d_model, dtype=torch.float32)
+    chunk = 8192
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        on = torch.rand(m, n_features, generator=g, dtype=torch.float64) < p
+        s = torch.empty(m, n_features, dtype=torch.float64).exponential_(1.0, generator=g)
+        a = (on * s * scale).float()
+        x[start:start + m] = a @ G
+    signal_std = float(x.std(0).mean()) if n > 1 else 1.0
+    x += noise * signal_std * torch.randn(n, d_model, generator=g)
+    return x, G
+
+
+def load_activations(path: str) -> Tensor:
+    """Read ``[N, D]`` activations from ``.npy``, ``.pt``/``.pth`` or ``.safetensors``, as float32.
+
+    Raises ``FileNotFoundError`` or ``ValueError`` with a message naming the problem (unknown
+    extension, not a 2-D float array, empty, or non-finite values).
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"activations file not found: {path}")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".npy":
+        import numpy as np
+
+        x = torch.from_numpy(np.load(path, allow_pickle=False))
+    elif ext in (".pt", ".pth"):
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        x = _single_tensor(obj, path)
+    elif ext == ".safetensors":
+        from safetensors.torch import load_file
+
+        x = _single_tensor(load_file(path), path)
+    else:
+        raise ValueError(f"{path}: unknown activations format {ext!r}; use .npy, .pt or .safetensors")
+    return check_activations(x, path)
+
+
+def _single_tensor(obj, path: str) -> Tensor:
+    if isinstance(obj, Tensor):
+        return obj
+    if isinstance(obj, dict):
+        if "activations" in obj:
+            return obj["activations"]
+        tensors = [v for v in obj.values() if isinstance(v, Tensor)]
+        if len(tensors) == 1:
+            return tensors[0]
+        raise ValueError(f"{path}: holds {len(tensors)} tensors; name the activations 'activations'")
+    raise ValueError(f"{path}: expected a tensor or a dict of tensors, got {type(obj).__name__}")
+
+
+def check_activations(x: Tensor, name: str = "activations", d_model: Optional[int] = None) -> Tensor:
+    """Validate ``[N, D]`` activations and return them as contiguous float32."""
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: activations must have shape [N, D], got shape {tuple(x.shape)}")
+    if not (x.dtype.is_floating_point or x.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
+        raise ValueError(f"{name}: activations must be numbers, got dtype {x.dtype}")
+    if x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"{name}: activations are empty (shape {tuple(x.shape)})")
+    if d_model is not None and x.shape[1] != d_model:
+        raise ValueError(f"{name}: activations have D={x.shape[1]}, the SAE expects d_model={d_model}")
+    x = x.float().contiguous()
+    bad = (~torch.isfinite(x)).sum()
+    if bad:
+        rows = int((~torch.isfinite(x)).any(1).sum())
+        raise ValueError(f"{name}: activations contain {int(bad)} non-finite values (NaN or inf) in {rows} rows")
+    return x

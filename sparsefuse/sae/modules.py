@@ -1,0 +1,267 @@
+"""``TopKSAE``: a TopK / HierarchicalTopK sparse autoencoder whose decoder runs through the fused ops.
+
+Shapes: ``x [B, D]`` activations, ``W_enc [F, D]``, ``b_enc [F]``, ``W_dec [F, D]`` (one unit-norm
+dictionary row per latent), ``b_dec [D]``; ``indices [B, K]`` int64 and ``vals [B, K]`` the K active
+latents of each row, sorted by activation, largest first.
+
+Math (Gao et al. 2024, "Scaling and evaluating sparse autoencoders"; Hierarchical: arXiv 2505.24473):
+
+* encode: ``pre = relu((x - b_dec) @ W_enc.T + b_enc)``, ``vals, indices = topk(pre, K)``.
+* decode: ``x_hat = b_dec + sum_k vals[:, k] * W_dec[indices[:, k]]``.
+* reconstruction loss, normalised by the variance ``var`` of the data (so it reads as a fraction of
+  variance unexplained): TopK ``mse(x_hat, x) / var``; Hierarchical the mean over k = 1..K of the
+  same for the prefix reconstruction that uses the first k latents.
+* AuxK (dead latents): with ``e = x - x_hat`` (detached), the ``k_aux`` largest pre-activations among
+  latents that have not fired for ``dead_tokens`` tokens reconstruct ``e`` without bias;
+  ``auxk = mse(e_hat, e) / mse(e, 0)``, added with weight ``auxk_alpha``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import reference
+from .ops import hierarchical_sae_loss, sae_decode, topk_sae_loss
+
+DECODERS = {
+    "fused": (topk_sae_loss, hierarchical_sae_loss),
+    "reference": (reference.topk_sae_loss, reference.hierarchical_sae_loss),
+}
+
+
+class SAEOutput(NamedTuple):
+    """What :meth:`TopKSAE.forward` returns. Losses are float32 (float64 for float64 inputs) scalars."""
+
+    loss: Tensor  #: recon_loss + auxk_alpha * auxk_loss, the quantity to minimise
+    recon_loss: Tensor  #: TopK or Hierarchical reconstruction loss divided by the variance
+    auxk_loss: Tensor  #: AuxK loss on dead latents (0 when none is dead or AuxK is off)
+    indices: Tensor  #: [B, K] int64 active latents, by activation, largest first
+    vals: Tensor  #: [B, K] their activations
+
+
+def _global_mean(t: Tensor) -> Tensor:
+    """Mean of a scalar over the processes of a torch.distributed job (itself when there is none)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+        t = t / dist.get_world_size()
+    return t
+
+
+class TopKSAE(nn.Module):
+    """A TopK (or HierarchicalTopK) sparse autoencoder.
+
+    Args:
+        d_model: D, the width of the activations.
+        n_latents: F, the dictionary size.
+        k: K, active latents per row (1 <= K <= F).
+        hierarchical: train with the HierarchicalTopK loss (every prefix k <= K reconstructs), so
+            the SAE stays good at any smaller sparsity; TopK loss otherwise.
+        normalize_decoder: keep every decoder row at unit norm (:meth:`normalize_decoder_`) and
+            drop the gradient component parallel to each row (:meth:`remove_parallel_grad_`); the
+            trainer calls both around each optimiser step.
+        auxk_alpha: weight of the AuxK loss (0 turns it off). Default 1/32 (Gao et al.).
+        k_aux: latents used by AuxK; default ``min(d_model // 2, n_latents)``.
+        dead_tokens: a latent is dead once it has not fired for this many training tokens.
+        decoder: ``"fused"`` (the sparsefuse ops) or ``"reference"`` (the plain PyTorch math of
+            :mod:`sparsefuse.sae.reference`, for comparisons and benchmarks).
+        seed: seed of the initialisation (the global RNG is left alone).
+
+    Initialisation: encoder rows uniform in ``[-1/sqrt(D), 1/sqrt(D)]``, decoder = the encoder's
+    transpose (same rows) scaled to unit norm, biases zero (the trainer sets ``b_dec`` to the data
+    mean). Parameters are float32 unless moved; use ``torch.autocast`` for bfloat16 compute.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_latents: int,
+        k: int,
+        hierarchical: bool = False,
+        *,
+        normalize_decoder: bool = True,
+        auxk_alpha: float = 1 / 32,
+        k_aux: Optional[int] = None,
+        dead_tokens: int = 10_000_000,
+        decoder: str = "fused",
+        seed: int = 0,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if d_model < 1 or n_latents < 1:
+            raise ValueError(f"d_model and n_latents must be >= 1, got d_model={d_model}, n_latents={n_latents}")
+        if not 1 <= k <= n_latents:
+            raise ValueError(f"k must be between 1 and n_latents={n_latents}, got k={k}")
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {sorted(DECODERS)}, got {decoder!r}")
+        self.config = dict(
+            d_model=d_model, n_latents=n_latents, k=k, hierarchical=hierarchical,
+            normalize_decoder=normalize_decoder, auxk_alpha=auxk_alpha,
+            k_aux=min(d_model // 2, n_latents) if k_aux is None else k_aux, dead_tokens=dead_tokens, decoder=decoder,
+        )
+        if not 1 <= self.config["k_aux"] <= n_latents:
+            raise ValueError(f"k_aux must be between 1 and n_latents={n_latents}, got {self.config['k_aux']}")
+        self.d_model, self.n_latents, self.k, self.hierarchical = d_model, n_latents, k, hierarchical
+        self.decoder = decoder
+        g = torch.Generator().manual_seed(seed)
+        bound = 1 / math.sqrt(d_model)
+        w = (torch.rand(n_latents, d_model, generator=g, dtype=torch.float64) * 2 - 1) * bound
+        w_dec = w / w.norm(dim=1, keepdim=True).clamp_min(1e-12) if normalize_decoder else w.clone()
+        kw = dict(device=device, dtype=dtype or torch.float32)
+        self.W_enc = nn.Parameter(w.to(**kw))
+        self.b_enc = nn.Parameter(torch.zeros(n_latents, **kw))
+        self.W_dec = nn.Parameter(w_dec.to(**kw))
+        self.b_dec = nn.Parameter(torch.zeros(d_model, **kw))
+        self.register_buffer("tokens_since_fired", torch.zeros(n_latents, dtype=torch.int64, device=device))
+
+    # --- encode / decode -----------------------------------------------------------------------
+
+    def pre_acts(self, x: Tensor) -> Tensor:
+        """``relu((x - b_dec) @ W_enc.T + b_enc)``, ``[B, F]``."""
+        return F.relu(F.linear(x - self.b_dec.to(x.dtype), self.W_enc, self.b_enc))
+
+    def encode(self, x: Tensor, k: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """``(indices [B, k] int64, vals [B, k])``: the k (default K) largest activations, largest first."""
+        vals, indices = self.pre_acts(x).topk(self.k if k is None else k, dim=-1, sorted=True)
+        return indices, vals
+
+    def decode(self, indices: Tensor, vals: Tensor) -> Tensor:
+        """``b_dec + sum_k vals[:, k] * W_dec[indices[:, k]]`` through :func:`sparsefuse.sae_decode`, ``[B, D]``."""
+        if self.decoder == "reference":
+            return reference.sae_decode(indices, vals, self.W_dec, self.b_dec)
+        return sae_decode(indices, vals, self.W_dec, self.b_dec)
+
+    def dead_mask(self) -> Tensor:
+        """``[F]`` bool: latents that have not fired for more than ``dead_tokens`` tokens."""
+        return self.tokens_since_fired > self.config["dead_tokens"]
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor, variance: Optional[Tensor | float] = None) -> SAEOutput:
+        """Encode, decode and return the loss parts (see :class:`SAEOutput`).
+
+        Args:
+            x: ``[B, D]`` activations (any float dtype; under autocast the encoder runs in its dtype).
+            variance: the mean squared deviation of the data per element, that the reconstruction
+                loss is divided by. Default: that of this batch (detached). The trainer passes the
+                variance of the whole data set, which keeps the loss linear in the rows of a batch
+                (so data-parallel training matches one process exactly).
+        """
+        topk_loss, hier_loss = DECODERS[self.decoder]
+        pre = self.pre_acts(x)
+        vals, indices = pre.topk(self.k, dim=-1, sorted=True)
+        if variance is None:
+            xf = x.detach().float()
+            variance = (xf - xf.mean(0)).square().mean().clamp_min(1e-30)
+        loss_fn = hier_loss if self.hierarchical else topk_loss
+        recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x) / variance
+        auxk_loss = recon_loss.new_zeros(())
+        if self.training and self.config["auxk_alpha"] > 0:
+            auxk_loss = self._auxk_loss(x, pre, indices, vals, topk_loss)
+        loss = recon_loss + self.config["auxk_alpha"] * auxk_loss
+        return SAEOutput(loss, recon_loss, auxk_loss, indices, vals)
+
+    def _auxk_loss(self, x, pre, indices, vals, topk_loss):
+        dead = self.dead_mask()
+        with torch.no_grad():
+            resid = (x - self.decode(indices, vals).to(x.dtype)).detach()  # [B, D]
+        aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
+        mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
+        scale = _global_mean(resid.float().square().mean()).clamp_min(1e-30)
+        return torch.where(dead.any(), mse / scale, mse.new_zeros(()))
+
+    # --- training helpers ----------------------------------------------------------------------
+
+    def fired_counts(self, indices: Tensor, vals: Tensor) -> Tensor:
+        """``[F]`` float: how often each latent was active with a positive value in this batch (no host sync)."""
+        counts = torch.zeros(self.n_latents, device=vals.device, dtype=torch.float32)
+        return counts.index_add_(0, indices.reshape(-1), (vals.detach().reshape(-1) > 0).float())
+
+    @torch.no_grad()
+    def record_firing(self, counts: Tensor, n_tokens: int) -> None:
+        """Advance the dead-latent clock by ``n_tokens`` and reset it for latents with ``counts > 0``."""
+        self.tokens_since_fired.add_(n_tokens).masked_fill_(counts > 0, 0)
+
+    @torch.no_grad()
+    def normalize_decoder_(self) -> None:
+        """Scale every decoder row to unit norm (call after each optimiser step)."""
+        if self.config["normalize_decoder"]:
+            self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))
+
+    @torch.no_grad()
+    def remove_parallel_grad_(self) -> None:
+        """Remove from ``W_dec.grad`` the component parallel to each (unit-norm) row (call before the step)."""
+        if self.config["normalize_decoder"] and self.W_dec.grad is not None:
+            w = self.W_dec.float()
+            w = w / w.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            g = self.W_dec.grad.float()
+            self.W_dec.grad.copy_(g - (g * w).sum(1, keepdim=True) * w)
+
+    # --- evaluation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def fvu_curve(self, x: Tensor, ks=None, batch_size: int = 4096) -> dict:
+        """Fraction of variance unexplained using only the first k' latents, for each k' in ``ks``.
+
+        ``FVU(k') = sum ||x - x_hat_k'||^2 / sum ||x - mean(x)||^2`` over all rows of ``x``, where
+        ``x_hat_k'`` decodes the k' largest activations of the K-sparse code. Default ``ks``:
+        1, 2, 4, ... up to K (K included). Returns ``{k': fvu}``.
+        """
+        ks = powers_of_two_upto(self.k) if ks is None else list(ks)
+        mean = x.double().mean(0)
+        total = float((x.double() - mean).square().sum().clamp_min(1e-300))
+        sse = dict.fromkeys(ks, 0.0)
+        for start in range(0, x.shape[0], batch_size):
+            xb = x[start:start + batch_size]
+            idx, vals = self.encode(xb.to(self.W_enc.dtype))
+            for kp in ks:
+                recon = self.decode(idx[:, :kp], vals[:, :kp])
+                sse[kp] += float((xb.double() - recon.double()).square().sum())
+        return {kp: sse[kp] / total for kp in ks}
+
+    # --- persistence ---------------------------------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """Write parameters, the dead-latent clock and the config to a ``.safetensors`` file."""
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        save_file(tensors, path, metadata={"sparsefuse.TopKSAE": json.dumps(self.config)})
+
+    @classmethod
+    def load(cls, path: str, device=None) -> "TopKSAE":
+        """Rebuild a :class:`TopKSAE` written by :meth:`save`."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+        if "sparsefuse.TopKSAE" not in meta:
+            raise ValueError(f"{path} is not a sparsefuse TopKSAE checkpoint (no 'sparsefuse.TopKSAE' metadata)")
+        config = json.loads(meta["sparsefuse.TopKSAE"])
+        state = load_file(path)
+        model = cls(**config, device=device, dtype=state["W_enc"].dtype)
+        model.load_state_dict(state)
+        return model
+
+    def extra_repr(self) -> str:
+        kind = "hierarchical" if self.hierarchical else "topk"
+        return f"d_model={self.d_model}, n_latents={self.n_latents}, k={self.k}, loss={kind}, decoder={self.decoder}"
+
+
+def powers_of_two_upto(k: int) -> list:
+    """``[1, 2, 4, ..., k]``: the powers of two below k, then k itself."""
+    out, p = [], 1
+    while p < k:
+        out.append(p)
+        p *= 2
+    return out + [k]

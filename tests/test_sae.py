@@ -1,0 +1,404 @@
+"""SAE decoder ops: sae_decode, topk_sae_loss, hierarchical_sae_loss.
+
+CPU tier: the Triton kernels under the interpreter (conftest), float32 and float64, small grids.
+GPU tier (-m gpu): every dtype, real sizes, F*D > 2^31, bit-identity, compute-sanitizer.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparsefuse
+from sparsefuse import compat
+from sparsefuse.sae import reference as ref
+
+from helpers import DEVICE, TOL, assert_close
+
+OPS = {
+    "decode": (lambda i, w, v, b, t: sparsefuse.sae_decode(i, v, w, b), lambda i, w, v, b, t: ref.sae_decode(i, v, w, b)),
+    "topk": (sparsefuse.topk_sae_loss, ref.topk_sae_loss),
+    "hierarchical": (sparsefuse.hierarchical_sae_loss, ref.hierarchical_sae_loss),
+}
+
+# (B, K, F, D): the odd sizes from the issue; F = 5 with K = 50 forces repeated latents in a row.
+SHAPES = [
+    pytest.param(1, 1, 5, 1, id="B1-K1-F5-D1"),
+    pytest.param(3, 3, 5, 100, id="B3-K3-F5-D100"),
+    pytest.param(37, 50, 5, 1, id="B37-K50-F5-D1"),
+    pytest.param(37, 3, 64, 100, id="B37-K3-F64-D100"),
+    pytest.param(3, 50, 5, 100, id="B3-K50-F5-D100"),
+]
+
+
+def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, F, (B, K), generator=g).to(index_dtype)
+    vals = torch.rand(B, K, generator=g, dtype=torch.float64).sort(dim=1, descending=True).values
+    weight = torch.randn(F, D, generator=g, dtype=torch.float64)
+    b = torch.randn(D, generator=g, dtype=torch.float64) if bias else None
+    target = torch.randn(B, D, generator=g, dtype=torch.float64)
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return idx.to(device), to(weight), to(vals), to(b), to(target)
+
+
+def value_and_grads(fn, idx, weight, vals, bias, target):
+    """Scalar output (a loss, or a random projection of the decode) and grads wrt weight, vals, bias."""
+    params = [p.detach().clone().requires_grad_() for p in (weight, vals, bias) if p is not None]
+    weight_, vals_ = params[0], params[1]
+    bias_ = params[2] if bias is not None else None
+    out = fn(idx, weight_, vals_, bias_, target)
+    if out.dim():  # decode: project onto a fixed random direction so every output element matters
+        proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        out = (out.double() * proj.to(out.device)).sum()
+    return [out] + list(torch.autograd.grad(out, params))
+
+
+def check_against_fp64(op, idx, weight, vals, bias, target, dtype, scale=1.0):
+    ours, refn = OPS[op]
+    got = value_and_grads(ours, idx, weight, vals, bias, target)
+    want = value_and_grads(refn, idx, *(None if t is None else t.double() for t in (weight, vals, bias, target)))
+    names = ["value", "grad_weight", "grad_vals", "grad_bias"]
+    for name, a, b in zip(names, got, want):
+        assert_close(a, b, dtype, f"{op} {name}", scale=scale)
+    # each gradient comes back in its parameter's dtype
+    assert got[1].dtype == weight.dtype and got[2].dtype == vals.dtype
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("B,K,F,D", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_fp64_reference(op, B, K, F, D, dtype):
+    check_against_fp64(op, *make(B, K, F, D, dtype), dtype)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_index_dtypes_and_optional_bias(op, index_dtype, bias):
+    check_against_fp64(op, *make(5, 4, 7, 33, torch.float32, index_dtype=index_dtype, bias=bias), torch.float32)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_non_contiguous_inputs(op):
+    idx, weight, vals, bias, target = make(6, 4, 9, 20, torch.float32)
+    weight_t = weight.t().contiguous().t()  # column-major [F, D] view
+    vals_nc = torch.cat([vals, vals], dim=1)[:, ::2]
+    target_nc = torch.cat([target, target], dim=1)[:, ::2]
+    idx_nc = torch.cat([idx, idx], dim=1)[:, ::2]
+    assert not (weight_t.is_contiguous() or vals_nc.is_contiguous() or target_nc.is_contiguous())
+    check_against_fp64(op, idx_nc, weight_t, vals_nc, bias, target_nc, torch.float32)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_empty_batch(op):
+    """B = 0: decode returns [0, D]; losses return 0 with zero (finite) gradients."""
+    idx, weight, vals, bias, target = make(0, 3, 5, 8, torch.float32)
+    got = value_and_grads(OPS[op][0], idx, weight, vals, bias, target)
+    assert got[0].item() == 0.0
+    assert got[2].shape == (0, 3)
+    for g in (got[1], got[3]):
+        assert torch.equal(g, torch.zeros_like(g))
+    if op == "decode":
+        assert sparsefuse.sae_decode(idx, vals, weight, bias).shape == (0, 8)
+
+
+@pytest.mark.parametrize("op", ["topk", "hierarchical"])
+def test_loss_dtype_and_frozen_decoder(op):
+    idx, weight, vals, bias, target = make(4, 3, 6, 10, torch.float32)
+    v = vals.clone().requires_grad_()
+    loss = OPS[op][0](idx, weight, v, bias, target)  # weight does not require grad
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    (gv,) = torch.autograd.grad(loss, [v])
+    want = torch.autograd.grad(OPS[op][1](idx, weight.double(), v.double(), bias.double(), target.double()), [v])[0]
+    assert_close(gv, want, torch.float32, "grad_vals")
+
+
+def test_hierarchical_is_mean_of_prefix_topk_losses():
+    """The definition in the docs: the mean over k of the TopK loss of the first k latents."""
+    idx, weight, vals, bias, target = make(7, 5, 11, 13, torch.float64)
+    h = sparsefuse.hierarchical_sae_loss(idx, weight, vals, bias, target)
+    prefix = torch.stack([sparsefuse.topk_sae_loss(idx[:, :k], weight, vals[:, :k], bias, target) for k in range(1, 6)])
+    torch.testing.assert_close(h, prefix.mean(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_non_finite_values_propagate(op):
+    idx, weight, vals, bias, target = make(4, 3, 6, 10, torch.float32)
+    used = int(idx[1, 0])
+    unused = sorted(set(range(6)) - set(idx.flatten().tolist()))
+    w = weight.clone()
+    w[used, 2] = float("inf")
+    out = OPS[op][0](idx, w, vals, bias, target)
+    assert not torch.isfinite(out).all()
+    if unused:  # a poisoned row nobody selects changes nothing
+        w = weight.clone()
+        w[unused[0]] = float("nan")
+        torch.testing.assert_close(OPS[op][0](idx, w, vals, bias, target), OPS[op][0](idx, weight, vals, bias, target))
+    if op != "decode":
+        t = target.clone()
+        t[0, 0] = float("nan")
+        assert torch.isnan(OPS[op][0](idx, weight, vals, bias, t))
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_deterministic_bit_identical(op):
+    idx, weight, vals, bias, target = make(9, 6, 5, 40, torch.float32)
+    runs = []
+    for _ in range(2):
+        runs.append(value_and_grads(lambda *a: OPS[op][0](*a, **({} if op == "decode" else {"deterministic": True})),
+                                    idx, weight, vals, bias, target))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_use_deterministic_algorithms_selects_staged_path():
+    idx, weight, vals, bias, target = make(9, 6, 5, 40, torch.float32)
+    torch.use_deterministic_algorithms(True)
+    try:
+        a = value_and_grads(sparsefuse.hierarchical_sae_loss, idx, weight, vals, bias, target)
+        b = value_and_grads(sparsefuse.hierarchical_sae_loss, idx, weight, vals, bias, target)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    check_against_fp64("hierarchical", idx, weight, vals, bias, target, torch.float32)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_backward_twice_through_one_graph(op):
+    """retain_graph: a second backward gives the same gradients (nothing saved is consumed)."""
+    idx, weight, vals, bias, target = make(3, 2, 4, 5, torch.float32)
+    w = weight.clone().requires_grad_()
+    out = OPS[op][0](idx, w, vals, bias, target).sum()
+    g1 = torch.autograd.grad(out, [w], retain_graph=True)[0]
+    g2 = torch.autograd.grad(out, [w])[0]
+    assert torch.equal(g1, g2)
+
+
+def test_grad_output_scaling():
+    """The incoming gradient scales every parameter gradient (no host-side shortcut for 1.0)."""
+    idx, weight, vals, bias, target = make(5, 3, 6, 9, torch.float64)
+    for op in ("topk", "hierarchical"):
+        p = [t.clone().requires_grad_() for t in (weight, vals, bias)]
+        g1 = torch.autograd.grad(OPS[op][0](idx, p[0], p[1], p[2], target), p)
+        g3 = torch.autograd.grad(OPS[op][0](idx, p[0], p[1], p[2], target) * -2.5, p)
+        for a, b in zip(g1, g3):
+            torch.testing.assert_close(b, -2.5 * a, rtol=1e-12, atol=1e-15)
+
+
+# --- registration: opcheck, gradcheck, torch.compile ------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["sae_decode", "topk_sae_loss", "hierarchical_sae_loss"])
+def test_opcheck(op):
+    idx, weight, vals, bias, target = make(3, 2, 4, 5, torch.float32)
+    weight.requires_grad_()
+    vals.requires_grad_()
+    bias.requires_grad_()
+    args = {
+        "sae_decode": (idx, vals, weight, bias),
+        "topk_sae_loss": (idx, weight, vals, bias, target),
+        "hierarchical_sae_loss": (idx, weight, vals, bias, target, False),
+    }[op]
+    torch.library.opcheck(getattr(torch.ops.sparsefuse, op).default, args)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_gradcheck_fp64(op):
+    idx, weight, vals, bias, target = make(3, 3, 4, 5, torch.float64)
+    params = [t.clone().requires_grad_() for t in (weight, vals, bias)]
+    fn = lambda w, v, b: OPS[op][0](idx, w, v, b, target)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_torch_compile_fullgraph_parity(op):
+    idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
+    fn = OPS[op][0]
+
+    def step(w, v, b):
+        out = fn(idx, w, v, b, target)
+        return out.square().sum() if out.dim() else out
+
+    eager = [t.clone().requires_grad_() for t in (weight, vals, bias)]
+    comp = [t.clone().requires_grad_() for t in (weight, vals, bias)]
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    le, lc = step(*eager), compiled(*comp)
+    le.backward()
+    lc.backward()
+    torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-7)
+    for a, b in zip(comp, eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def _good():
+    return make(4, 3, 6, 5, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: a.update(indices=a["indices"][0]), ValueError, r"indices must have 2 dimensions"),
+        (lambda a: a.update(indices=a["indices"].float()), TypeError, r"indices has dtype float32"),
+        (lambda a: a.update(indices=a["indices"][:, :0]), ValueError, r"K >= 1"),
+        (lambda a: a.update(weight=a["weight"][:0]), ValueError, r"F >= 1"),
+        (lambda a: a.update(weight=a["weight"].long()), TypeError, r"weight has dtype int64"),
+        (lambda a: a.update(weight=a["weight"][None]), ValueError, r"weight must have 2 dimensions"),
+        (lambda a: a.update(vals=a["vals"][:, :2]), ValueError, r"vals has shape \(4, 2\); expected \[4, 3\]"),
+        (lambda a: a.update(bias=a["bias"][:3]), ValueError, r"bias has shape \(3,\); expected \[5\]"),
+        (lambda a: a.update(target=a["target"][:2]), ValueError, r"target has shape \(2, 5\); expected \[4, 5\]"),
+        (lambda a: a.update(target=a["target"].to("meta")), ValueError, r"target is on meta"),
+        (lambda a: a.update(vals=None), TypeError, r"vals must be a tensor"),
+        (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
+        (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
+    ],
+    ids=["rank", "idx-dtype", "K0", "F0", "w-dtype", "w-rank", "vals-shape", "bias-shape", "target-shape",
+         "device", "none", "idx-high", "idx-negative"],
+)
+@pytest.mark.parametrize("op", ["topk", "hierarchical"])
+def test_bad_input_errors(op, mutate, exc, match):
+    idx, weight, vals, bias, target = _good()
+    a = dict(indices=idx, weight=weight, vals=vals, bias=bias, target=target)
+    mutate(a)
+    with pytest.raises(exc, match=match):
+        OPS[op][0](a["indices"], a["weight"], a["vals"], a["bias"], a["target"])
+
+
+def test_bad_input_decode():
+    idx, weight, vals, bias, _ = _good()
+    with pytest.raises(ValueError, match=r"vals has shape"):
+        sparsefuse.sae_decode(idx, vals[:1], weight, bias)
+    idx[0, 0] = 99
+    with pytest.raises(IndexError, match=r"indices holds 99"):
+        sparsefuse.sae_decode(idx, vals, weight, bias)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_unchecked_out_of_range_indices_poison_with_nan(op):
+    """With the host check off, a bad index never reads out of bounds; what depends on it is NaN."""
+    idx, weight, vals, bias, target = _good()
+    idx[1, 1] = 1_000_000
+    sparsefuse.set_index_checks(False)
+    try:
+        got = value_and_grads(OPS[op][0], idx, weight, vals, bias, target)
+    finally:
+        sparsefuse.set_index_checks(True)
+    assert torch.isnan(got[0]).all()
+    assert torch.isnan(got[2][1, 1])
+
+
+def test_compat_aliases():
+    idx, weight, vals, bias, target = _good()
+    assert torch.equal(compat.triton_topk_sae_loss(idx, weight, vals, bias, target),
+                       sparsefuse.topk_sae_loss(idx, weight, vals, bias, target))
+    assert torch.equal(compat.triton_hierarchical_sae_loss(idx, weight, vals, bias, target),
+                       sparsefuse.hierarchical_sae_loss(idx, weight, vals, bias, target))
+
+
+def test_cpu_reference_path_without_interpreter():
+    """Without TRITON_INTERPRET, CPU tensors take the exact PyTorch reference implementation."""
+    code = (
+        "import torch, sparsefuse, sparsefuse._registry as r; assert not r.INTERPRET\n"
+        "from sparsefuse.bench.sae import check\n"
+        "assert check()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+def test_bench_cli_without_gpu_runs_correctness_check():
+    if torch.cuda.is_available():
+        pytest.skip("the CLI times kernels when a GPU is present")
+    out = subprocess.run([sys.executable, "-m", "sparsefuse", "bench", "sae"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "No CUDA GPU found" in out.stdout and "all checks passed" in out.stdout
+
+
+# --- GPU tier ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("B,K,F,D", [
+    pytest.param(512, 128, 65536, 2304, id="B512-K128-F65536-D2304"),
+    pytest.param(37, 50, 5, 100, id="B37-K50-F5-D100"),
+    pytest.param(1000, 3, 1000, 1, id="B1000-K3-F1000-D1"),
+    pytest.param(333, 64, 4099, 777, id="B333-K64-F4099-D777"),
+])
+def test_gpu_matches_fp64_reference(op, dtype, B, K, F, D):
+    check_against_fp64(op, *make(B, K, F, D, dtype), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+def test_gpu_more_than_2_31_weight_elements(op):
+    """F * D > 2^31: row offsets must be 64-bit. Compared on the touched rows only (the fp64
+    reference of the full dictionary would not fit comfortably)."""
+    F, D, B, K = 1_100_000, 2000, 64, 32
+    assert F * D > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(F - 5000, F, (B, K), device="cuda", generator=g)
+    idx[:, 0] = torch.arange(B, device="cuda")  # also some rows near the start
+    weight = torch.randn(F, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vals = torch.rand(B, K, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(D, device="cuda", generator=g).to(torch.bfloat16)
+    target = torch.randn(B, D, device="cuda", generator=g).to(torch.bfloat16)
+    got = value_and_grads(OPS[op][0], idx, weight, vals, bias, target)
+    uniq, inv = torch.unique(idx, return_inverse=True)
+    want = value_and_grads(OPS[op][1], inv, weight[uniq].double(), vals.double(), bias.double(), target.double())
+    assert_close(got[0], want[0], torch.bfloat16, "value")
+    assert_close(got[1][uniq], want[1], torch.bfloat16, "grad_weight (touched rows)")
+    untouched = torch.ones(F, dtype=torch.bool, device="cuda")
+    untouched[uniq] = False
+    assert not got[1][untouched].any()
+    assert_close(got[2], want[2], torch.bfloat16, "grad_vals")
+    assert_close(got[3], want[3], torch.bfloat16, "grad_bias")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_deterministic_bit_identical(op, dtype):
+    args = make(2048, 64, 8192, 512, dtype)
+    kw = {} if op == "decode" else {"deterministic": True}
+    a = value_and_grads(lambda *x: OPS[op][0](*x, **kw), *args)
+    b = value_and_grads(lambda *x: OPS[op][0](*x, **kw), *args)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    check_against_fp64(op, *args, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_compute_sanitizer_memcheck_clean():
+    exe = shutil.which("compute-sanitizer")
+    assert exe, "compute-sanitizer is part of the GPU tier's toolchain"
+    code = (
+        "import torch, sparsefuse\n"
+        "from sparsefuse.bench.sae import make_inputs\n"
+        "for K in (1, 7):\n"
+        "  i, w, v, b, t = make_inputs(13, K, 300, 77, torch.float32, 'cuda')\n"
+        "  ps = [w.requires_grad_(), v.requires_grad_(), b.requires_grad_()]\n"
+        "  for f in (sparsefuse.topk_sae_loss, sparsefuse.hierarchical_sae_loss):\n"
+        "    torch.autograd.grad(f(i, w, v, b, t), ps)\n"
+        "  torch.autograd.grad(sparsefuse.sae_decode(i, v, w, b).sum(), ps)\n"
+        "  torch.autograd.grad(sparsefuse.hierarchical_sae_loss(i, w, v, b, t, deterministic=True), ps)\n"
+        "torch.cuda.synchronize(); print('ok')\n"
+    )
+    out = subprocess.run([exe, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in out.stdout
+
+
+def test_tolerance_table_covers_every_dtype():
+    assert set(TOL) == {torch.float16, torch.bfloat16, torch.float32, torch.float64}
