@@ -5,7 +5,9 @@ without it, CPU tensors take the exact PyTorch reference path.
 """
 
 from ._validate import index_checks_enabled, set_index_checks
+from .kd import TopKKDLoss, topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
 from .sae import hierarchical_sae_loss, sae_decode, topk_sae_loss
+from .vq import ResidualVQ, VectorQuantizer, nearest_code, vq_ema_update
 
 __version__ = "0.1.0"
 
@@ -13,6 +15,14 @@ __all__ = [
     "sae_decode",
     "topk_sae_loss",
     "hierarchical_sae_loss",
+    "vq_ema_update",
+    "nearest_code",
+    "VectorQuantizer",
+    "ResidualVQ",
+    "topk_kd_loss",
+    "topk_kd_loss_from_logits",
+    "topk_kd_loss_from_hidden",
+    "TopKKDLoss",
     "set_index_checks",
     "index_checks_enabled",
 ]

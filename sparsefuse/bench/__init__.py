@@ -2,7 +2,7 @@
 
 import importlib
 
-FAMILIES = ("sae",)
+FAMILIES = ("sae", "vq", "kd")
 
 
 def family(name: str):

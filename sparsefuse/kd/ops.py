@@ -272,7 +272,9 @@ def _hidden_backward(ctx, grad_loss, *_):
                            "(the input did not require grad, or grad mode was off, when the loss was computed)")
     if grad_loss is None:
         return (None,) * 17
-    _hidden_bwd_op(grad_loss, gh, gw, gb, applied)
+    # .data: the rescale mutates the saved gradients without bumping the saved tensors' version,
+    # so a second backward (retain_graph) can still unpack them (the factor in `applied` keeps it exact).
+    _hidden_bwd_op(grad_loss, gh.data, gw.data, gb.data, applied.data)
     return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 14
 
 

@@ -1,0 +1,414 @@
+"""Top-K distillation losses: topk_kd_loss, topk_kd_loss_from_logits, topk_kd_loss_from_hidden.
+
+CPU tier: the Triton kernels under the interpreter (conftest), float32 and float64, small grids.
+GPU tier (-m gpu): bfloat16 and float16, real vocabulary sizes, torch.compile.
+"""
+
+import pytest
+import torch
+
+import sparsefuse
+from sparsefuse import compat
+from sparsefuse.kd import reference as ref
+
+from helpers import DEVICE, TOL, assert_close
+
+NORMS = ["topk", "full", "tail"]
+
+# (N, K, V): K = 1; V and N not multiples of any block size; V = K (every token in the top-K).
+SHAPES = [
+    pytest.param(1, 1, 7, id="N1-K1-V7"),
+    pytest.param(5, 3, 37, id="N5-K3-V37"),
+    pytest.param(13, 6, 131, id="N13-K6-V131"),
+    pytest.param(3, 5, 5, id="N3-K5-V5"),
+]
+
+
+def make(N, K, V, H=12, *, dtype=torch.float64, device=DEVICE, seed=0, dup=True, index_dtype=torch.int64):
+    """Teacher slots with ~25 % masked (axolotl padding: id 0, log-prob -1e9), one fully masked token,
+    a repeated id, student logits / hidden states / LM head / labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)]) if K <= V else \
+        torch.randint(0, V, (N, K), generator=g)
+    t = torch.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64) * 2, -1) - 0.2
+    m = torch.rand(N, K, generator=g) > 0.25
+    m[:, 0] = True
+    if N > 1:
+        m[1] = False
+    if dup and K > 1:
+        ids[0, 1] = ids[0, 0]
+    ids = torch.where(m, ids, torch.zeros_like(ids)).to(index_dtype)
+    t = torch.where(m, t, torch.full_like(t, -1e9))
+    z = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
+    h = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.1
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[-1] = -100
+    to = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
+    return dict(ids=ids.to(device), t=to(t), m=m.to(device), z=to(z), h=to(h), w=to(w), b=to(b),
+                labels=labels.to(device))
+
+
+def grads(loss, params):
+    return [loss] + list(torch.autograd.grad(loss, params))
+
+
+def leaf(x):
+    return x.detach().clone().requires_grad_()
+
+
+def compare(got, want, dtype, names, scale=1.0):
+    for a, b, n in zip(got, want, names):
+        assert_close(a, b.to(a.dtype) if a.dtype != b.dtype and a.dim() == 0 else b, dtype, n, scale)
+
+
+# --- values and gradients against the float64 reference ----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("N,K,V", SHAPES)
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_gathered(N, K, V, dtype, temperature):
+    d = make(N, K, V, dtype=dtype)
+    zk = leaf(d["z"].gather(1, d["ids"])[:, :K])
+    got = grads(sparsefuse.topk_kd_loss(zk, d["t"], d["m"], temperature=temperature), [zk])
+    z64 = leaf(zk.double())
+    want = grads(ref.topk_kd_loss(z64, d["t"].double(), d["m"], temperature=temperature)[0], [z64])
+    compare(got, want, dtype, ["loss", "grad"])
+
+
+@pytest.mark.parametrize("normalize", NORMS)
+@pytest.mark.parametrize("N,K,V", SHAPES)
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float64, 1.7)])
+def test_from_logits(N, K, V, normalize, dtype, temperature):
+    d = make(N, K, V, dtype=dtype)
+    z = leaf(d["z"])
+    got = grads(sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,
+                                                    temperature=temperature), [z])
+    z64 = leaf(d["z"].double())
+    want = grads(ref.topk_kd_loss_from_logits(z64, d["ids"], d["t"].double(), d["m"], normalize=normalize,
+                                              temperature=temperature)[0], [z64])
+    compare(got, want, dtype, ["loss", "grad"])
+
+
+@pytest.mark.parametrize("normalize", NORMS)
+@pytest.mark.parametrize("ce_weight,bias,temperature", [(0.0, False, 1.0), (0.5, True, 1.0), (0.3, True, 2.0)])
+@pytest.mark.parametrize("chunk_size", [4, 0])
+def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
+    d = make(9, 4, 41, dtype=torch.float64)
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"]) if bias else None
+    params = [p for p in (h, w, b) if p is not None]
+    kw = dict(normalize=normalize, temperature=temperature, lm_head_bias=b, labels=d["labels"], ce_weight=ce_weight)
+    got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=chunk_size, **kw),
+                params)
+    want = grads(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], params)
+    compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"])
+
+
+def test_from_hidden_equals_from_logits():
+    d = make(11, 5, 53, dtype=torch.float32)
+    for normalize in NORMS:
+        h, w = leaf(d["h"]), leaf(d["w"])
+        a = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize,
+                                                      temperature=1.5, chunk_size=4), [h, w])
+        h2, w2 = leaf(d["h"]), leaf(d["w"])
+        b = grads(sparsefuse.topk_kd_loss_from_logits(h2 @ w2.t(), d["ids"], d["t"], d["m"], normalize=normalize,
+                                                      temperature=1.5), [h2, w2])
+        compare(a, b, torch.float32, ["loss", "grad_hidden", "grad_weight"], scale=5)
+
+
+# --- properties ---------------------------------------------------------------------------------
+
+
+def test_identity_full_is_topk_minus_P_log_Q():
+    """L_full = L_topk - P log Q per token (T = 1), with P the teacher mass and Q the student's."""
+    d = make(13, 6, 131, dtype=torch.float64)
+    _, full = sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="full",
+                                                  return_per_token=True)
+    _, topk = sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="topk",
+                                                  return_per_token=True)
+    P = torch.where(d["m"], d["t"].exp(), 0).sum(-1)
+    q = torch.softmax(d["z"], -1).gather(1, d["ids"])
+    Q = torch.where(d["m"], q, 0).sum(-1)
+    has = d["m"].any(-1)
+    want = torch.where(has, topk - P * Q.clamp_min(1e-300).log(), 0)
+    assert_close(full, want, torch.float64, "full")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tail_is_nonnegative(seed):
+    d = make(13, 6, 131, dtype=torch.float32, seed=seed)
+    t = d["t"] - 0.5 * torch.rand(d["t"].shape, generator=torch.Generator().manual_seed(seed))
+    _, tok = sparsefuse.topk_kd_loss_from_logits(d["z"] * 3, d["ids"], t, d["m"], normalize="tail",
+                                                 return_per_token=True)
+    assert (tok >= -1e-5).all(), tok
+
+
+@pytest.mark.parametrize("normalize", NORMS)
+def test_gradcheck_temperature(normalize):
+    """fp64 finite differences of the returned loss (T**2 included) at T != 1: the gradient is the
+    gradient of what is returned."""
+    d = make(3, 2, 5)
+    z = leaf(d["z"])
+    fn = lambda z: sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,  # noqa: E731
+                                                       temperature=2.3)
+    assert torch.autograd.gradcheck(fn, (z,))
+    zk = leaf(d["z"][:, :2])
+    assert torch.autograd.gradcheck(lambda x: sparsefuse.topk_kd_loss(x, d["t"], d["m"], temperature=0.6), (zk,))
+
+
+def test_gradcheck_from_hidden():
+    d = make(3, 2, 6, H=3)
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    fn = lambda h, w, b: sparsefuse.topk_kd_loss_from_hidden(  # noqa: E731
+        h, w, d["ids"], d["t"], d["m"], normalize="tail", temperature=1.9, lm_head_bias=b, labels=d["labels"],
+        ce_weight=0.4, chunk_size=2)
+    assert torch.autograd.gradcheck(fn, (h, w, b))
+
+
+def test_fully_masked_tokens_give_zero():
+    d = make(5, 3, 37, dtype=torch.float32)
+    m = d["m"].clone()
+    m[2] = False
+    for normalize in NORMS:
+        z = leaf(d["z"])
+        loss, tok = sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], m, normalize=normalize,
+                                                        return_per_token=True)
+        (g,) = torch.autograd.grad(loss, z)
+        assert tok[1] == 0 and tok[2] == 0 and torch.isfinite(tok).all()
+        assert (g[1] == 0).all() and (g[2] == 0).all() and (g[0] != 0).any()
+    z = torch.randn(3, 37)
+    none = torch.zeros(3, 4, dtype=torch.bool)
+    loss = sparsefuse.topk_kd_loss_from_logits(z, torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4), none)
+    assert loss == 0
+
+
+def test_axolotl_padding_equals_dropping_the_slots():
+    """Padded slots (id 0, log-prob -1e9, mask 0) change nothing: same loss as the unpadded K."""
+    d = make(6, 4, 37, dtype=torch.float64, dup=False)
+    m = torch.ones(6, 4, dtype=torch.bool)
+    ids = torch.cat([d["ids"].clone(), torch.zeros(6, 3, dtype=torch.long)], 1)
+    t = torch.cat([d["t"].clone(), torch.full((6, 3), -1e9, dtype=torch.float64)], 1)
+    ids[:, :4] = torch.stack([torch.randperm(37, generator=torch.Generator().manual_seed(i))[:4] for i in range(6)])
+    t[:, :4] = torch.log_softmax(d["z"][:, :4], -1)
+    mp = torch.cat([m, torch.zeros(6, 3, dtype=torch.bool)], 1)
+    for normalize in NORMS:
+        a = sparsefuse.topk_kd_loss_from_logits(d["z"], ids, t, mp, normalize=normalize)
+        b = sparsefuse.topk_kd_loss_from_logits(d["z"], ids[:, :4], t[:, :4], m, normalize=normalize)
+        assert_close(a, b, torch.float64, normalize)
+
+
+def test_reductions():
+    d = make(13, 6, 131, dtype=torch.float64)
+    args = (d["z"], d["ids"], d["t"], d["m"])
+    s, tok = sparsefuse.topk_kd_loss_from_logits(*args, reduction="sum", return_per_token=True)
+    mean = sparsefuse.topk_kd_loss_from_logits(*args, reduction="mean")
+    n = int(d["m"].any(-1).sum())
+    assert n < 13
+    assert_close(s, tok.sum(), torch.float64, "sum")
+    assert_close(mean, s / n, torch.float64, "mean")
+    for items in (7, torch.tensor(7, device=DEVICE), torch.tensor(7.0, device=DEVICE)):
+        got = sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=items)
+        assert_close(got, s / 7, torch.float64, "num_items")
+
+
+def test_per_token_output_is_differentiable():
+    d = make(5, 3, 37, dtype=torch.float64)
+    z = leaf(d["z"])
+    w = torch.rand(5, dtype=torch.float64, device=DEVICE)
+    loss, tok = sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize="tail",
+                                                    return_per_token=True)
+    (g,) = torch.autograd.grad(loss + (tok * w).sum(), z)
+    z2 = leaf(d["z"])
+    l2, t2 = ref.topk_kd_loss_from_logits(z2, d["ids"], d["t"], d["m"], normalize="tail")
+    (g2,) = torch.autograd.grad(l2 + (t2 * w).sum(), z2)
+    assert_close(g, g2, torch.float64, "grad")
+
+
+def test_batched_shapes_and_int32_ids():
+    d = make(12, 4, 37, dtype=torch.float32, index_dtype=torch.int32)
+    z, ids, t, m = d["z"].reshape(3, 4, 37), d["ids"].reshape(3, 4, 4), d["t"].reshape(3, 4, 4), d["m"].reshape(3, 4, 4)
+    loss, tok = sparsefuse.topk_kd_loss_from_logits(z, ids, t, m.int(), return_per_token=True)
+    want, _ = ref.topk_kd_loss_from_logits(d["z"].double(), d["ids"], d["t"].double(), d["m"])
+    assert tok.shape == (3, 4)
+    assert_close(loss, want, torch.float32, "loss")
+
+
+def test_retain_graph_backward_twice_from_hidden():
+    """Gradients are computed in the forward and rescaled in the backward: twice must still be exact."""
+    d = make(6, 3, 29, dtype=torch.float64)
+    h, w = leaf(d["h"]), leaf(d["w"])
+    loss = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=4)
+    g1 = torch.autograd.grad(3 * loss, [h, w], retain_graph=True)
+    g1 = [x.clone() for x in g1]
+    g2 = torch.autograd.grad(loss, [h, w])
+    for a, b in zip(g1, g2):
+        assert_close(a, 3 * b, torch.float64, "grad")
+
+
+# --- API, compile, opcheck, errors ---------------------------------------------------------------
+
+
+def test_compat_kd_loss_triton_is_the_masked_sum():
+    d = make(8, 4, 37, dtype=torch.float32)
+    zk = d["z"][:, :4].reshape(2, 4, 4)
+    t, m = d["t"].reshape(2, 4, 4), d["m"].reshape(2, 4, 4)
+    want, _ = ref.topk_kd_loss(zk.double(), t.double(), m, reduction="sum")
+    assert_close(compat.kd_loss_triton(zk, t, m), want, torch.float32, "sum")
+    assert_close(compat.kd_loss_triton(zk, t, m, num_items_in_batch=5), want / 5, torch.float32, "items")
+
+
+def test_module():
+    d = make(5, 3, 37, dtype=torch.float32)
+    mod = sparsefuse.TopKKDLoss(normalize="tail", temperature=2.0)
+    assert "tail" in repr(mod)
+    want = sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="tail", temperature=2.0)
+    assert_close(mod(d["z"], d["ids"], d["t"], d["m"]), want, torch.float32, "logits")
+    got = mod(d["h"], d["ids"], d["t"], d["m"], lm_head_weight=d["w"])
+    want = sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"], normalize="tail",
+                                               temperature=2.0)
+    assert_close(got, want, torch.float32, "hidden")
+    zk = d["z"][:, :3]
+    assert_close(sparsefuse.TopKKDLoss(normalize="topk")(zk, d["t"], None, d["m"]),
+                 sparsefuse.topk_kd_loss(zk, d["t"], d["m"]), torch.float32, "gathered")
+
+
+def test_compile_fullgraph():
+    d = make(6, 3, 37, dtype=torch.float32)
+
+    def fn(z, h, w):
+        a = sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize="tail", temperature=1.5)
+        b = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=4)
+        c = sparsefuse.topk_kd_loss(z[:, :3], d["t"], d["m"])
+        return a + b + c
+
+    params = [leaf(d["z"]), leaf(d["h"]), leaf(d["w"])]
+    want = grads(fn(*params), params)
+    params = [leaf(d["z"]), leaf(d["h"]), leaf(d["w"])]
+    got = grads(torch.compile(fn, fullgraph=True)(*params), params)
+    compare(got, want, torch.float32, ["loss", "grad_z", "grad_h", "grad_w"])
+
+
+def test_opcheck():
+    d = make(5, 3, 37, dtype=torch.float32)
+    m = d["m"]
+    ops = torch.ops.sparsefuse
+    zk = leaf(d["z"][:, :3].contiguous())
+    torch.library.opcheck(ops.kd_topk, (zk, d["t"], m, 1.5, 1, None, 1.0))
+    z = leaf(d["z"])
+    torch.library.opcheck(ops.kd_logits, (z, d["ids"], d["t"], m, 2, 1.5, 2, torch.tensor(3.0, device=DEVICE), 1.0))
+    h, w = d["h"], d["w"]
+    torch.library.opcheck(ops.kd_hidden, (h, w, None, d["ids"], d["t"], m, d["labels"], 1, 1.0, 1, None, 1.0, 0.5,
+                                          False, False, False, 4), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_index_out_of_range_is_a_clear_error():
+    d = make(5, 3, 37, dtype=torch.float32)
+    ids = d["ids"].clone()
+    ids[3, 0] = 37
+    with pytest.raises(IndexError, match=r"target_token_ids holds 37, outside \[0, 37\)"):
+        sparsefuse.topk_kd_loss_from_logits(d["z"], ids, d["t"], d["m"])
+    with pytest.raises(IndexError, match="target_token_ids"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, d["t"], d["m"])
+    ids[3, 0] = -5  # a masked slot may hold anything
+    m = d["m"].clone()
+    m[3, 0] = False
+    assert torch.isfinite(sparsefuse.topk_kd_loss_from_logits(d["z"], ids, d["t"], m))
+    labels = d["labels"].clone()
+    labels[0] = 99
+    with pytest.raises(IndexError, match="labels holds 99"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"], labels=labels, ce_weight=1.0)
+
+
+def test_index_out_of_range_without_checks_gives_nan():
+    d = make(5, 3, 37, dtype=torch.float32)
+    ids = d["ids"].clone()
+    ids[3, 0] = 40
+    sparsefuse.set_index_checks(False)
+    try:
+        loss = sparsefuse.topk_kd_loss_from_logits(d["z"], ids, d["t"], d["m"])
+    finally:
+        sparsefuse.set_index_checks(True)
+    assert torch.isnan(loss)
+
+
+def test_bad_inputs():
+    d = make(5, 3, 37, dtype=torch.float32)
+    z, ids, t, m = d["z"], d["ids"], d["t"], d["m"]
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        sparsefuse.topk_kd_loss_from_logits(z, ids, t, m, normalize="kl")
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        sparsefuse.topk_kd_loss_from_logits(z, ids, t, m, temperature=0)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        sparsefuse.topk_kd_loss(z[:, :3], t, m, reduction="none")
+    with pytest.raises(ValueError, match="target_logprobs has shape"):
+        sparsefuse.topk_kd_loss_from_logits(z, ids, t[:, :2], m)
+    with pytest.raises(ValueError, match="logits has shape"):
+        sparsefuse.topk_kd_loss_from_logits(z[:4], ids, t, m)
+    with pytest.raises(TypeError, match="target_token_ids has dtype float32"):
+        sparsefuse.topk_kd_loss_from_logits(z, ids.float(), t, m)
+    with pytest.raises(ValueError, match="student_logits_topk has shape"):
+        sparsefuse.topk_kd_loss(z, t, m)
+    with pytest.raises(TypeError, match="hidden has dtype float64"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"].double(), d["w"], ids, t, m)
+    with pytest.raises(ValueError, match="ce_weight is set but labels is None"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, ce_weight=1.0)
+    with pytest.raises(ValueError, match=r"hidden has shape \(5, 12\); expected \[\.\.\., 11\]"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"][:, :11], ids, t, m)
+
+
+# --- GPU tier -------------------------------------------------------------------------------------
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("normalize", NORMS)
+@pytest.mark.parametrize("N,K,V", [(300, 64, 5003), (17, 128, 128256)])
+def test_gpu_from_logits(N, K, V, normalize, dtype):
+    d = make(N, K, V, dtype=dtype, device="cuda")
+    z = leaf(d["z"])
+    got = grads(sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,
+                                                    temperature=1.3), [z])
+    z64 = leaf(d["z"].double())
+    want = grads(ref.topk_kd_loss_from_logits(z64, d["ids"], d["t"].double(), d["m"], normalize=normalize,
+                                              temperature=1.3)[0], [z64])
+    compare(got, want, dtype, ["loss", "grad"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_gathered(dtype):
+    d = make(8192, 64, 4096, dtype=dtype, device="cuda")
+    zk = leaf(d["z"][:, :64].contiguous())
+    got = grads(sparsefuse.topk_kd_loss(zk, d["t"], d["m"], temperature=2.0), [zk])
+    z64 = leaf(zk.double())
+    want = grads(ref.topk_kd_loss(z64, d["t"].double(), d["m"], temperature=2.0)[0], [z64])
+    compare(got, want, dtype, ["loss", "grad"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("normalize,ce_weight", [("full", 0.0), ("tail", 0.5), ("topk", 0.0), ("topk", 0.5)])
+def test_gpu_from_hidden(normalize, ce_weight, dtype):
+    d = make(700, 64, 32011, H=256, dtype=dtype, device="cuda")
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"], ce_weight=ce_weight)
+    got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=256, **kw), [h, w, b])
+    p64 = [leaf(x.double()) for x in (d["h"], d["w"], d["b"])]
+    kw["lm_head_bias"] = p64[2]
+    want = grads(ref.topk_kd_loss_from_hidden(p64[0], p64[1], d["ids"], d["t"].double(), d["m"], **kw)[0], p64)
+    compare(got, want, dtype, ["loss", "grad_hidden", "grad_weight", "grad_bias"], scale=2)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_and_hidden_equals_logits():
+    d = make(512, 64, 50000, H=128, dtype=torch.bfloat16, device="cuda")
+    fn = lambda h, w: sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize="tail")  # noqa
+    h, w = leaf(d["h"]), leaf(d["w"])
+    a = grads(torch.compile(fn, fullgraph=True)(h, w), [h, w])
+    h2, w2 = leaf(d["h"]), leaf(d["w"])
+    b = grads(sparsefuse.topk_kd_loss_from_logits(h2 @ w2.t(), d["ids"], d["t"], d["m"], normalize="tail"), [h2, w2])
+    compare(a, b, torch.bfloat16, ["loss", "grad_hidden", "grad_weight"])
