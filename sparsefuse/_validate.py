@@ -1,9 +1,9 @@
 """Input validation shared by every op: clear errors that name the offending argument.
 
-Shape, dtype and device checks run wherever the op runs, the fake implementation included, so a
-bad call fails the same way in eager mode and while ``torch.compile`` traces. The value check on
-indices reads the data, so it runs only in real implementations; it costs one host sync and can be
-switched off (see :func:`set_index_checks`).
+Shape, dtype and device checks run in the public functions, so a bad call fails the same way in
+eager mode and while ``torch.compile`` traces. The range check on index values reads the data, so
+it runs inside the ops; on a GPU it would cost a host sync, so there it is off unless asked for
+(see :func:`set_index_checks`).
 """
 
 from __future__ import annotations
@@ -16,23 +16,36 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-_check_indices = os.environ.get("SPARSEFUSE_CHECK_INDICES", "1") != "0"
+def _mode_from_env() -> Optional[bool]:
+    value = os.environ.get("SPARSEFUSE_CHECK_INDICES", "").strip().lower()
+    return {"1": True, "true": True, "0": False, "false": False}.get(value)
 
 
-def set_index_checks(enabled: bool) -> None:
-    """Turn the host-side range check on index tensors on or off (default on).
+_check_indices: Optional[bool] = _mode_from_env()
 
-    On: an index outside its range raises ``IndexError`` naming the argument, at the cost of one
-    device-to-host sync per call. Off: no sync; kernels still never read or write out of bounds,
-    and an out-of-range index turns the outputs that depend on it into NaN (never silently into a
-    plausible number). The environment variable ``SPARSEFUSE_CHECK_INDICES=0`` sets the default.
+
+def set_index_checks(enabled: Optional[bool]) -> None:
+    """Choose when index values are range-checked on the host.
+
+    * ``None`` (default): check CPU tensors (free), skip CUDA tensors (a check there is a
+      device-to-host sync, which would stall every training step).
+    * ``True``: check everywhere; an index outside its range raises ``IndexError`` naming the
+      argument, at the cost of one sync per call on a GPU. Use it while debugging a data pipeline.
+    * ``False``: check nowhere.
+
+    Unchecked or not, kernels never read or write out of bounds: an out-of-range index turns every
+    output that depends on it into NaN (never into a plausible number) and contributes nothing to
+    the weight gradient. ``SPARSEFUSE_CHECK_INDICES=1`` / ``0`` sets the mode from the environment.
     """
     global _check_indices
-    _check_indices = bool(enabled)
+    _check_indices = None if enabled is None else bool(enabled)
 
 
-def index_checks_enabled() -> bool:
-    return _check_indices
+def index_checks_enabled(t: Optional[torch.Tensor] = None) -> bool:
+    """Whether an index tensor like ``t`` (default: a CUDA tensor) is range-checked now."""
+    if _check_indices is not None:
+        return _check_indices
+    return t is not None and t.device.type == "cpu"
 
 
 def check_tensor(
@@ -71,7 +84,7 @@ def check_tensor(
 
 def check_index_range(name: str, idx: torch.Tensor, upper: int) -> None:
     """Raise ``IndexError`` if any entry of ``idx`` lies outside ``[0, upper)`` (when checks are on)."""
-    if not _check_indices or idx.numel() == 0:
+    if idx.numel() == 0 or not index_checks_enabled(idx):
         return
     bad = (idx < 0) | (idx >= upper)
     if bool(bad.any()):
