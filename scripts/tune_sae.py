@@ -21,16 +21,19 @@ for dtype in (torch.float32, torch.bfloat16):
         cfg = kn._gather_config(K, D, w.element_size())
         out[f"fwd {tag} heuristic {cfg}"] = t(lambda: kn._sae_decode_fwd_kernel[(B,)](idx, v, w, b, tg, resid, gv, rl, K, D, F, D, 1,
                                HAS_BIAS=True, IS_LOSS=True, ACC=tl.float32, **cfg))
-        gwbuf = torch.zeros(F, D, device="cuda"); gbr = torch.empty(B, D, device="cuda")
+        etot = torch.empty(B, D, device="cuda"); g1 = torch.ones((), device="cuda")
+        gwbuf = torch.zeros(F, D, device="cuda")
         staged = torch.empty(B * K, D, device="cuda")
-        for BD in (64, 128, 256, 512):
+        for BD in (32, 64, 128, 256, 512):
             for nw in (1, 2, 4):
-                for mode in (0, 1, 2):
-                    if BD // (32 * nw) > 8 or BD < 32 * nw: continue
+                if BD < 32 * nw or BD // (32 * nw) > 8: continue
+                out[f"hierfwd {tag} BD={BD} nw={nw}"] = t(lambda: kn._hierarchical_sae_fwd_kernel[(B,)](
+                    idx, v, w, b, tg, etot, rl, K, D, F, D, 1, HAS_BIAS=True, ACC=tl.float32, BLOCK_D=BD, num_warps=nw))
+                for mode in (1, 2):
                     buf = staged if mode == 2 else gwbuf
-                    ms = t(lambda: kn._hierarchical_sae_fwd_kernel[(B,)](idx, v, w, b, tg, buf, gv, gbr, rl, K, D, F, D, 1, 1e-9,
-                           HAS_BIAS=True, WEIGHT_GRAD=mode, ACC=tl.float32, BLOCK_K=BK, BLOCK_D=BD, num_warps=nw))
-                    out[f"hier {tag} mode={mode} BD={BD} nw={nw}"] = ms
+                    out[f"hierbwd {tag} mode={mode} BD={BD} nw={nw}"] = t(lambda: kn._hierarchical_sae_bwd_kernel[(B,)](
+                        idx, v, w, b, tg, etot, g1, buf, gv, K, D, F, D, 1, 1e-9, HAS_BIAS=True, WEIGHT_GRAD=mode,
+                        ACC=tl.float32, BLOCK_K=BK, BLOCK_D=BD, num_warps=nw))
         del staged
         keys = idx.reshape(-1)
         sk, order = torch.sort(keys, stable=True)
@@ -41,15 +44,24 @@ for dtype in (torch.float32, torch.bfloat16):
                    WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=False, ACC=tl.float32, BLOCK_D=BD, num_warps=nw))
             out[f"wg {tag} BD={BD} nw={nw}"] = ms
         print(tag, "done", flush=True)
-k = kn._hierarchical_sae_fwd_kernel[(4,)](idx, v, w, b, tg, gwbuf, gv, gbr, rl, K, D, F, D, 1, 1e-9,
-        HAS_BIAS=True, WEIGHT_GRAD=1, ACC=tl.float32, BLOCK_K=BK, BLOCK_D=256, num_warps=2)
-ptx = k.asm["ptx"]
-print("atomic instrs in PTX:", sorted({l.strip().split()[0] for l in ptx.splitlines() if "red." in l or "atom." in l}))
+# CPU-side cost of one training step (launch and dispatch overhead), no sync inside the loop
+import time
+from sparsefuse.bench.sae import OPS
+idx, w, v, b, tg = make_inputs(B, 32, F, D, torch.float32, "cuda")
+ps = [w.requires_grad_(), v.requires_grad_(), b.requires_grad_()]
+for name, (fn, _) in OPS.items():
+    step = lambda: torch.autograd.grad(fn(idx, w, v, b, tg), ps)
+    for _ in range(5): step()
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(20): step()
+    t1 = time.perf_counter(); torch.cuda.synchronize(); t2 = time.perf_counter()
+    out[f"cpu-enqueue {name} K32"] = (t1 - t0) / 20 * 1e3
+    out[f"wall {name} K32"] = (t2 - t0) / 20 * 1e3
 
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "tune.json"), "w"), indent=1)
 groups = {}
 for k, ms in out.items():
-    g = " ".join(k.split()[:2]) + (" " + k.split()[2] if k.startswith("hier") else "")
+    g = " ".join(k.split()[:2]) + (" " + k.split()[2] if k.startswith("hierbwd") else "")
     groups.setdefault(g, []).append((ms, k))
 for g, items in groups.items():
     items.sort()
