@@ -1,0 +1,537 @@
+"""Triton kernels for the VQ codebook ops, and the launchers that allocate and launch them.
+
+Notation: L levels, B rows, K codes, D dims. The EMA state is float32 and contiguous, shaped
+``[L, K, D]`` / ``[L, K]`` (a single codebook is L = 1); x is ``[L, B, D]`` in float32, bfloat16 or
+float16. See ``reference.py`` for the exact semantics.
+
+EMA update, two kernels (three under DDP), no B x K one-hot, no host sync:
+
+* ``_vq_ema_accumulate_kernel`` (grid: row blocks x levels) adds each row of x into its code's
+  fp32 sum and count with atomics; ``_vq_ema_segment_kernel`` (grid: codes x levels, rows sorted by
+  code) is the deterministic alternative that writes every sum once in a fixed order. Both also copy
+  the pre-update ``cluster_size`` and counters into a scratch area of the same buffer, so that the
+  next kernel can read every code's old state while codes are being rewritten in place.
+* ``_vq_ema_apply_kernel`` (grid: code blocks x levels) blends, refreshes and restarts. Each program
+  first scans the level's [K] scalars (from L2) for the two level-wide facts its codes need: the
+  Laplace total sum N and the number of dead codes before its block (the rank that picks a dead
+  code's restart row). Then it rewrites its own rows of the codebook and both EMA buffers once.
+* Under DDP, ``torch.distributed.all_reduce`` of the statistics sits between the two; the apply
+  kernel then writes the restart rows this rank owns into a candidate buffer, which is summed over
+  ranks and installed by ``_vq_ema_restart_kernel``.
+
+Nearest-code search: ``_nearest_code_kernel`` keeps a block of rows on chip and walks the codebook
+in tiles, computing ||c||^2 - 2 x.c with ``tl.dot`` and keeping a running (min, argmin) per row: the
+B x K matrix never exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._registry import INTERPRET
+from .._validate import check_index_range
+from . import reference
+
+_MUL1 = tl.constexpr(reference.HASH_MUL1)
+_MUL2 = tl.constexpr(reference.HASH_MUL2)
+_HMASK = tl.constexpr(reference.HASH_MASK)
+
+# Launch heuristics, in one place.
+_ACC_BLOCK_B, _ACC_WARPS = (16, 4) if INTERPRET else (32, 4)
+_SEG_BLOCK_D = 64 if INTERPRET else 256
+_APPLY_WARPS = 4
+_SCAN_BLOCK = 256 if INTERPRET else 1024
+_NORM_BLOCK = 64 if INTERPRET else 128
+
+
+def _apply_block_c(K: int) -> int:
+    """Codes per apply program: about 256 programs a level (each also scans the level's [K] scalars)."""
+    return 16 if INTERPRET else max(4, min(32, triton.next_power_of_2(max(K // 256, 1))))
+
+
+def _block_d(D: int, cap: int) -> int:
+    return max(16, min(triton.next_power_of_2(max(D, 1)), cap))
+
+
+# --- EMA update ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_scratch(cs_ptr, cnt_ptr, sn_ptr, sc_ptr, o_k, m_k, HAS_COUNTERS: tl.constexpr):
+    """Scratch copy of the old per-code scalars (counters as fp32, clamped to 2^24 to stay exact)."""
+    tl.store(sn_ptr + o_k, tl.load(cs_ptr + o_k, mask=m_k, other=0), mask=m_k)
+    if HAS_COUNTERS:
+        b_c = tl.load(cnt_ptr + o_k, mask=m_k, other=0)
+        b_c = tl.minimum(b_c, 16777216).to(tl.float32)
+    else:
+        b_c = tl.zeros(o_k.shape, dtype=tl.float32)
+    tl.store(sc_ptr + o_k, b_c, mask=m_k)
+
+
+@triton.jit
+def _vq_ema_accumulate_kernel(
+    x_ptr,  # [L, B, D] contiguous, storage dtype
+    codes_ptr,  # [L, B] int32 | int64
+    s_ptr,  # [L, K, D] fp32, zeroed: batch sums (atomically accumulated)
+    n_ptr,  # [L, K] fp32, zeroed: batch counts
+    cs_ptr,  # [L, K] fp32 cluster_size (read only)
+    cnt_ptr,  # [L, K] int counters (read only; HAS_COUNTERS)
+    sn_ptr,  # [L, K] fp32 scratch copy of cluster_size
+    sc_ptr,  # [L, K] fp32 scratch copy of the counters
+    B,
+    K,
+    D,
+    HAS_COUNTERS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SCAN: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(1).to(tl.int64)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    b_code = tl.load(codes_ptr + i_l * B + o_b, mask=m_b, other=0).to(tl.int64)  # [BLOCK_B]
+    m_ok = m_b & (b_code >= 0) & (b_code < K)
+    # a code outside [0, K) (index checks off) poisons the nearest valid code with NaN
+    b_code = tl.minimum(tl.maximum(b_code, 0), K - 1)
+    p_s = s_ptr + (i_l * K + b_code) * D  # [BLOCK_B]
+    p_x = x_ptr + (i_l * B + o_b) * D  # [BLOCK_B]
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_x = tl.load(p_x[:, None] + o_d[None, :], mask=m_b[:, None] & m_d[None, :], other=0).to(tl.float32)
+        tl.atomic_add(p_s[:, None] + o_d[None, :], b_x, mask=m_ok[:, None] & m_d[None, :], sem="relaxed")
+    b_one = tl.where(m_ok, 1.0, float("nan"))  # [BLOCK_B]
+    tl.atomic_add(n_ptr + i_l * K + b_code, b_one, mask=m_b, sem="relaxed")
+    if i_b == 0:
+        for i_k in range(0, K, BLOCK_SCAN):
+            o_k = i_k + tl.arange(0, BLOCK_SCAN)
+            _copy_scratch(cs_ptr, cnt_ptr, sn_ptr, sc_ptr, i_l * K + o_k, o_k < K, HAS_COUNTERS)
+
+
+@triton.jit
+def _vq_ema_segment_kernel(
+    x_ptr,  # [L, B, D] contiguous, storage dtype
+    order_ptr,  # [L, B] int64: row ids of each level sorted by code
+    seg_ptr,  # [L, K + 1] int64: code k owns sorted positions seg[k] .. seg[k + 1] - 1
+    s_ptr,  # [L, K, D] fp32 out: batch sums
+    n_ptr,  # [L, K] fp32 out: batch counts
+    cs_ptr,  # [L, K] fp32 cluster_size (read only)
+    cnt_ptr,  # [L, K] int counters (HAS_COUNTERS)
+    sn_ptr,  # [L, K] fp32 scratch copy of cluster_size
+    sc_ptr,  # [L, K] fp32 scratch copy of the counters
+    B,
+    K,
+    D,
+    HAS_COUNTERS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Deterministic statistics: one program per (code, level), rows summed in sorted order."""
+    i_k = tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(1).to(tl.int64)
+    i_start = tl.load(seg_ptr + i_l * (K + 1) + i_k)
+    i_end = tl.load(seg_ptr + i_l * (K + 1) + i_k + 1)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for i_e in range(i_start, i_end):
+            i_row = tl.load(order_ptr + i_l * B + i_e)
+            b_acc += tl.load(x_ptr + (i_l * B + i_row) * D + o_d, mask=m_d, other=0).to(tl.float32)  # [BLOCK_D]
+        tl.store(s_ptr + (i_l * K + i_k) * D + o_d, b_acc, mask=m_d)
+    tl.store(n_ptr + i_l * K + i_k, (i_end - i_start).to(tl.float32))
+    o_k = i_k + tl.arange(0, 1)
+    _copy_scratch(cs_ptr, cnt_ptr, sn_ptr, sc_ptr, i_l * K + o_k, o_k < K, HAS_COUNTERS)
+
+
+@triton.jit
+def _hash_round(r, k, mask):
+    t = (r * _MUL1 + k) & _HMASK
+    t = t ^ (t >> 15)
+    t = (t * _MUL2) & _HMASK
+    t = t ^ (t >> 13)
+    return t & mask
+
+
+@triton.jit
+def _feistel(i, k0, k1, k2, k3, half, mask):
+    left = i >> half
+    right = i & mask
+    left, right = right, left ^ _hash_round(right, k0, mask)
+    left, right = right, left ^ _hash_round(right, k1, mask)
+    left, right = right, left ^ _hash_round(right, k2, mask)
+    left, right = right, left ^ _hash_round(right, k3, mask)
+    return (left << half) | right
+
+
+@triton.jit
+def _restart_rows(i, key_ptr, n, half):
+    """reference.restart_rows: keyed bijection of [0, n) with cycle walking."""
+    k0 = tl.load(key_ptr + 0)
+    k1 = tl.load(key_ptr + 1)
+    k2 = tl.load(key_ptr + 2)
+    k3 = tl.load(key_ptr + 3)
+    mask = (tl.full([], 1, tl.int64) << half) - 1
+    v = _feistel(i, k0, k1, k2, k3, half, mask)
+    while tl.max((v >= n).to(tl.int32), axis=0) > 0:
+        v = tl.where(v >= n, _feistel(v, k0, k1, k2, k3, half, mask), v)
+    return v
+
+
+@triton.jit
+def _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE: tl.constexpr):
+    """New cluster size, new counter and dead flag of a block of codes."""
+    m_used = b_n > 0
+    b_new = decay * b_cs + omd * b_n
+    if ACTIVE:
+        b_new = tl.where(m_used, b_new, b_cs)
+    b_cnt_new = tl.where(m_used, 0, b_cnt + 1)
+    if ACTIVE:
+        m_dead = (b_cnt_new >= restart_after) & (restart_after > 0)
+    else:
+        m_dead = b_new < threshold
+    return b_new, b_cnt_new, m_dead & (B > 0)
+
+
+@triton.jit
+def _vq_ema_apply_kernel(
+    x_ptr,  # [L, B, D] contiguous, storage dtype
+    cb_ptr,  # [L, K, D] fp32 codebook (in place)
+    cs_ptr,  # [L, K] fp32 cluster_size (in place)
+    es_ptr,  # [L, K, D] fp32 embed_sum (in place)
+    cnt_ptr,  # [L, K] int counters (in place; HAS_COUNTERS)
+    s_ptr,  # [L, K, D] fp32 batch sums
+    n_ptr,  # [L, K] fp32 batch counts
+    sn_ptr,  # [L, K] fp32 scratch: old cluster_size
+    sc_ptr,  # [L, K] fp32 scratch: old counters
+    key_ptr,  # [L, 4] int64 round keys of the restart permutation
+    cand_ptr,  # [L, K, D] fp32 out: restart rows owned by this rank, zeros elsewhere (DIST)
+    dead_ptr,  # [L, K] int8 out: dead flags (DIST)
+    B,
+    K,
+    D,
+    decay,
+    omd,  # 1 - decay, rounded on the host as the reference rounds it
+    eps,
+    threshold,
+    reset,
+    restart_after,
+    rows_total,  # world * B
+    row_off,  # rank * B
+    half,  # half-width in bits of the Feistel domain
+    ACTIVE: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr,
+    DIST: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SCAN: tl.constexpr,
+):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(1).to(tl.int64)
+    i_start = i_c * BLOCK_C
+    # level-wide facts from every code's old state: Laplace total and dead codes before this block
+    b_tot = tl.zeros([BLOCK_SCAN], dtype=tl.float32)
+    b_before = tl.zeros([BLOCK_SCAN], dtype=tl.int32)
+    for i_k in range(0, K, BLOCK_SCAN):
+        o_k = i_k + tl.arange(0, BLOCK_SCAN)
+        m_k = o_k < K
+        b_n = tl.load(n_ptr + i_l * K + o_k, mask=m_k, other=0)
+        b_cs = tl.load(sn_ptr + i_l * K + o_k, mask=m_k, other=0)
+        if HAS_COUNTERS:
+            b_cnt = tl.load(sc_ptr + i_l * K + o_k, mask=m_k, other=0)
+        else:
+            b_cnt = tl.zeros([BLOCK_SCAN], dtype=tl.float32)
+        b_new, _, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE)
+        b_tot += tl.where(m_k, b_new, 0.0)
+        b_before += (m_k & m_dead & (o_k < i_start)).to(tl.int32)
+    tot = tl.sum(b_tot, axis=0)
+    n_before = tl.sum(b_before, axis=0)
+
+    o_c = i_start + tl.arange(0, BLOCK_C)
+    m_c = o_c < K
+    p_k = i_l * K + o_c  # [BLOCK_C]
+    b_n = tl.load(n_ptr + p_k, mask=m_c, other=0)
+    b_cs = tl.load(cs_ptr + p_k, mask=m_c, other=0)
+    if HAS_COUNTERS:
+        b_cnt = tl.load(cnt_ptr + p_k, mask=m_c, other=0)
+    else:
+        b_cnt = tl.zeros([BLOCK_C], dtype=tl.int32)
+    b_new, b_cnt_new, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE)
+    m_dead = m_dead & m_c
+    m_used = b_n > 0
+    if ACTIVE:
+        m_refresh = m_used
+        b_inv = 1.0 / tl.maximum(b_new, eps)
+    else:
+        b_sm = (b_new + eps) / (tot + K * eps) * tot
+        m_refresh = b_sm > 0
+        b_inv = 1.0 / tl.where(m_refresh, b_sm, 1.0)
+    # restart rows: dead code number r takes global row perm(r mod rows_total)
+    b_rank = n_before + tl.cumsum(m_dead.to(tl.int32), axis=0) - 1  # [BLOCK_C]
+    n_rows = tl.maximum(rows_total, 1)
+    b_rank = tl.where(m_dead, b_rank, 0).to(tl.int64) % n_rows
+    b_row = _restart_rows(b_rank, key_ptr + i_l * 4, n_rows, half) - row_off
+    m_own = m_dead & (b_row >= 0) & (b_row < B)
+    b_row = tl.where(m_own, b_row, 0)
+    if ACTIVE:
+        r = 0.0
+    else:
+        r = reset
+
+    p_x = x_ptr + (i_l * B + b_row) * D  # [BLOCK_C]
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        m = m_c[:, None] & m_d[None, :]
+        p = p_k[:, None] * D + o_d[None, :]  # [BLOCK_C, BLOCK_D]
+        b_es = tl.load(es_ptr + p, mask=m, other=0)
+        b_s = tl.load(s_ptr + p, mask=m, other=0)
+        b_cb = tl.load(cb_ptr + p, mask=m, other=0)
+        b_es_new = decay * b_es + omd * b_s
+        if ACTIVE:
+            b_es_new = tl.where(m_used[:, None], b_es_new, b_es)
+        b_cb = tl.where(m_refresh[:, None], b_es_new * b_inv[:, None], b_cb)
+        b_v = tl.load(p_x[:, None] + o_d[None, :], mask=m_own[:, None] & m_d[None, :], other=0).to(tl.float32)
+        if DIST:
+            tl.store(cand_ptr + p, b_v, mask=m)
+        else:
+            b_cb = tl.where(m_dead[:, None], b_v, b_cb)
+            b_es_new = tl.where(m_dead[:, None], b_v * r, b_es_new)
+        tl.store(es_ptr + p, b_es_new, mask=m)
+        tl.store(cb_ptr + p, b_cb, mask=m)
+    tl.store(cs_ptr + p_k, tl.where(m_dead, r, b_new), mask=m_c)
+    if HAS_COUNTERS:
+        tl.store(cnt_ptr + p_k, tl.where(m_dead, 0, b_cnt_new).to(cnt_ptr.dtype.element_ty), mask=m_c)
+    if DIST:
+        tl.store(dead_ptr + p_k, m_dead.to(tl.int8), mask=m_c)
+
+
+@triton.jit
+def _vq_ema_restart_kernel(
+    cb_ptr,  # [L, K, D] fp32 codebook (in place)
+    es_ptr,  # [L, K, D] fp32 embed_sum (in place)
+    cand_ptr,  # [L, K, D] fp32 restart rows, summed over ranks
+    dead_ptr,  # [L, K] int8
+    K,
+    D,
+    reset,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(1).to(tl.int64)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    p_k = i_l * K + o_c
+    m_dead = tl.load(dead_ptr + p_k, mask=o_c < K, other=0) != 0  # [BLOCK_C]
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m = m_dead[:, None] & (o_d < D)[None, :]
+        p = p_k[:, None] * D + o_d[None, :]
+        b_v = tl.load(cand_ptr + p, mask=m, other=0)  # [BLOCK_C, BLOCK_D]
+        tl.store(cb_ptr + p, b_v, mask=m)
+        tl.store(es_ptr + p, b_v * reset, mask=m)
+
+
+def stats_layout(L: int, K: int, D: int):
+    """Offsets in the flat fp32 statistics buffer: [s: L*K*D | n: L*K | old cs: L*K | old counters: L*K].
+    The first L*K*(D+1) entries are what DDP all-reduces."""
+    return L * K * D, L * K * (D + 1), L * K * (D + 2), L * K * (D + 3)
+
+
+def split_stats(stats: torch.Tensor, L: int, K: int, D: int):
+    a, b, c, e = stats_layout(L, K, D)
+    return stats[:a].view(L, K, D), stats[a:b].view(L, K), stats[b:c].view(L, K), stats[c:e].view(L, K)
+
+
+def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=True):
+    """Flat fp32 statistics buffer (see :func:`stats_layout`) for x [L, B, D], codes [L, B]."""
+    L, B, D = x.shape
+    K = cluster_size.shape[1]
+    if check_codes:
+        check_index_range("codes", codes, K)
+    x = x.contiguous()
+    codes = codes.contiguous()
+    has_cnt = counters is not None
+    if deterministic:
+        stats = torch.empty(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32)
+        s, n, sn, sc = split_stats(stats, L, K, D)
+        sorted_codes, order = torch.sort(codes, dim=1, stable=True)
+        bounds = torch.arange(K + 1, device=x.device, dtype=sorted_codes.dtype).expand(L, K + 1).contiguous()
+        seg = torch.searchsorted(sorted_codes, bounds)
+        _vq_ema_segment_kernel[(K, L)](
+            x, order, seg, s, n, cluster_size, counters, sn, sc, B, K, D,
+            HAS_COUNTERS=has_cnt, BLOCK_D=_block_d(D, _SEG_BLOCK_D), num_warps=2,
+        )
+        return stats
+    stats = torch.zeros(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32)
+    s, n, sn, sc = split_stats(stats, L, K, D)
+    grid = (max(triton.cdiv(B, _ACC_BLOCK_B), 1), L)
+    _vq_ema_accumulate_kernel[grid](
+        x, codes, s, n, cluster_size, counters, sn, sc, B, K, D,
+        HAS_COUNTERS=has_cnt, BLOCK_B=_ACC_BLOCK_B, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK,
+        num_warps=_ACC_WARPS,
+    )
+    return stats
+
+
+def ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
+              restart_after, active, world, rank):
+    """In-place blend, refresh and restart; returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP
+    (world > 1), else two empty tensors."""
+    L, K, D = codebook.shape
+    B = x.shape[1]
+    x = x.contiguous()
+    s, n, sn, sc = split_stats(stats, L, K, D)
+    dist = world > 1
+    dev = codebook.device
+    cand = torch.empty((L, K, D) if dist else (0,), device=dev, dtype=torch.float32)
+    dead = torch.empty((L, K) if dist else (0,), device=dev, dtype=torch.int8)
+    rows_total = world * B
+    block_c = _apply_block_c(K)
+    grid = (triton.cdiv(K, block_c), L)
+    _vq_ema_apply_kernel[grid](
+        x, codebook, cluster_size, embed_sum, counters, s, n, sn, sc, key.contiguous(), cand, dead,
+        B, K, D, float(decay), float(1 - decay), float(eps), float(threshold), float(reset), int(restart_after),
+        rows_total, rank * B, reference._half_bits(max(rows_total, 1)),
+        ACTIVE=bool(active), HAS_COUNTERS=counters is not None, DIST=dist,
+        BLOCK_C=block_c, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK, num_warps=_APPLY_WARPS,
+    )
+    return cand, dead
+
+
+def ema_restart(codebook, embed_sum, cand, dead, reset):
+    L, K, D = codebook.shape
+    block_c = _apply_block_c(K)
+    _vq_ema_restart_kernel[(triton.cdiv(K, block_c), L)](
+        codebook, embed_sum, cand.contiguous(), dead.contiguous(), K, D, float(reset),
+        BLOCK_C=block_c, BLOCK_D=_block_d(D, 128), num_warps=_APPLY_WARPS,
+    )
+
+
+# --- nearest-code search ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_sqnorm_kernel(
+    c_ptr,  # [K, D], strides (stride_ck, 1)
+    out_ptr,  # [K] fp32: sum_d c^2
+    K,
+    D,
+    stride_ck,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    o_k = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        b_c = tl.load(c_ptr + o_k[:, None] * stride_ck + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :],
+                      other=0).to(tl.float32)  # [BLOCK_K, BLOCK_D]
+        b_acc += tl.sum(b_c * b_c, axis=1)
+    tl.store(out_ptr + o_k, b_acc, mask=m_k)
+
+
+def _search_configs(tensor_core: bool):
+    if INTERPRET:
+        return [triton.Config(dict(BLOCK_B=16, BLOCK_K=16, BLOCK_D=16), num_warps=4)]
+    if tensor_core:
+        shapes = [(128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 64, 8, 3)]
+    else:
+        shapes = [(64, 64, 16, 4, 2), (128, 64, 16, 8, 2), (64, 128, 16, 8, 2), (32, 64, 32, 4, 2)]
+    return [triton.Config(dict(BLOCK_B=b, BLOCK_K=k, BLOCK_D=d), num_warps=w, num_stages=s) for b, k, d, w, s in shapes]
+
+
+@triton.jit
+def _nearest_code_fwd_kernel(
+    x_ptr,  # [B, D], strides (stride_xb, 1)
+    c_ptr,  # [K, D], strides (stride_ck, 1)
+    cc_ptr,  # [K] fp32: ||c_k||^2
+    codes_ptr,  # [B] int64 out
+    dist_ptr,  # [B] fp32 out
+    B,
+    K,
+    D,
+    stride_xb,
+    stride_ck,
+    COSINE: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" | "tf32" | "tf32x3" (fp32 inputs; 16-bit inputs use native dot)
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    o_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    b_best = tl.full([BLOCK_B], float("inf"), dtype=tl.float32)
+    b_arg = tl.zeros([BLOCK_B], dtype=tl.int64)
+    b_xx = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for i_k in range(0, K, BLOCK_K):
+        o_k = i_k + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_dot = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
+        for i_d in range(0, D, BLOCK_D):
+            o_d = i_d + tl.arange(0, BLOCK_D)
+            m_d = o_d < D
+            b_x = tl.load(x_ptr + o_b[:, None] * stride_xb + o_d[None, :], mask=m_b[:, None] & m_d[None, :],
+                          other=0).to(DOT_DTYPE)  # [BLOCK_B, BLOCK_D]
+            b_c = tl.load(c_ptr + o_k[:, None] * stride_ck + o_d[None, :], mask=m_k[:, None] & m_d[None, :],
+                          other=0).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_D]
+            b_dot = tl.dot(b_x, tl.trans(b_c), b_dot, input_precision=PRECISION)
+            if i_k == 0:
+                b_xf = b_x.to(tl.float32)
+                b_xx += tl.sum(b_xf * b_xf, axis=1)
+        b_cc = tl.load(cc_ptr + o_k, mask=m_k, other=1.0)  # [BLOCK_K]
+        if COSINE:
+            b_score = -b_dot / tl.sqrt(tl.maximum(b_cc, 1e-24))[None, :]
+        else:
+            b_score = b_cc[None, :] - 2.0 * b_dot
+        b_score = tl.where(m_k[None, :], b_score, float("inf"))  # [BLOCK_B, BLOCK_K]
+        b_tmin = tl.min(b_score, axis=1)
+        b_targ = tl.argmin(b_score, axis=1).to(tl.int64) + i_k
+        m_upd = b_tmin < b_best  # strict: an earlier tile keeps ties (lowest index)
+        b_best = tl.where(m_upd, b_tmin, b_best)
+        b_arg = tl.where(m_upd, b_targ, b_arg)
+    if COSINE:
+        b_dist = 2.0 + 2.0 * b_best / tl.maximum(tl.sqrt(b_xx), 1e-12)
+    else:
+        b_dist = tl.maximum(b_xx + b_best, 0.0)
+    tl.store(codes_ptr + o_b, b_arg, mask=m_b)
+    tl.store(dist_ptr + o_b, b_dist, mask=m_b)
+
+
+_KEY = ["K", "D", "COSINE", "PRECISION", "DOT_DTYPE"]
+_nearest_code_tc = triton.autotune(configs=_search_configs(True), key=_KEY)(_nearest_code_fwd_kernel)
+_nearest_code_fma = triton.autotune(configs=_search_configs(False), key=_KEY)(_nearest_code_fwd_kernel)
+
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def nearest_code(x, codebook, cosine, precision):
+    """(codes [B] int64, dist [B] fp32). ``precision``: "exact" | "tf32x3" | "fast"."""
+    B, D = x.shape
+    K = codebook.shape[0]
+    dev = x.device
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    codebook = codebook if codebook.stride(-1) == 1 else codebook.contiguous()
+    codes = torch.empty(B, device=dev, dtype=torch.int64)
+    dist = torch.empty(B, device=dev, dtype=torch.float32)
+    if B == 0:
+        return codes, dist
+    cc = torch.empty(K, device=dev, dtype=torch.float32)
+    _row_sqnorm_kernel[(triton.cdiv(K, _NORM_BLOCK),)](
+        codebook, cc, K, D, codebook.stride(0), BLOCK_K=_NORM_BLOCK, BLOCK_D=_block_d(D, 64))
+    dot_dtype = torch.promote_types(x.dtype, codebook.dtype)
+    if dot_dtype == torch.float32:
+        prec = {"exact": "ieee", "tf32x3": "tf32x3", "fast": "tf32"}[precision]
+    else:
+        prec = None  # 16-bit dots: products are exact in fp32 and sums are fp32
+    kernel = _nearest_code_fma if prec == "ieee" else _nearest_code_tc
+    grid = lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),)  # noqa: E731
+    kernel[grid](
+        x, codebook, cc, codes, dist, B, K, D, x.stride(0), codebook.stride(0),
+        COSINE=bool(cosine), PRECISION=prec, DOT_DTYPE=_DOT_DTYPES[dot_dtype],
+    )
+    return codes, dist

@@ -1,0 +1,177 @@
+"""``VectorQuantizer`` and ``ResidualVQ``: nearest-code search, straight-through estimator,
+commitment loss and the fused EMA update in training mode."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .ops import batch_statistics, nearest_code, vq_ema_update
+
+
+def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group):
+    """Lloyd's k-means on the device: (centroids [K, D] fp32, counts [K] of the last assignment).
+
+    Starts from distinct random rows of x (of rank 0 under DDP, broadcast); each iteration assigns
+    with :func:`nearest_code` and re-centres with :func:`batch_statistics` (all-reduced over
+    ``process_group``); an empty cluster keeps its centroid.
+    """
+    B = x.shape[0]
+    perm = torch.randperm(B, device=x.device, generator=generator)
+    c = x[perm[torch.arange(num_codes, device=x.device) % max(B, 1)]].float()
+    if process_group is not None:
+        import torch.distributed as dist
+
+        dist.broadcast(c, src=dist.get_global_rank(process_group, 0), group=process_group)
+    n = torch.zeros(num_codes, device=x.device)
+    for _ in range(iters):
+        codes, _ = nearest_code(x, c, cosine=cosine, precision=precision)
+        n, s = batch_statistics(x, codes, num_codes, process_group)
+        c = torch.where(n[:, None] > 0, s / n.clamp_min(1)[:, None], c)
+    return c, n
+
+
+def _sync_initted(module, incompatible_keys):
+    module._initted = bool(module.initted)
+
+
+class VectorQuantizer(nn.Module):
+    """Vector quantiser with an EMA codebook, trained by the fused sparsefuse kernels.
+
+    ``forward(x [..., D]) -> (quantized [..., D], codes [...] int64, loss [])``: ``quantized`` equals
+    the nearest codebook rows in value and passes gradients straight through to x; ``loss`` is
+    ``commitment_weight * mean((x - sg(quantized))^2)``. In training mode the codebook is then
+    updated in place by :func:`sparsefuse.vq_ema_update` (no gradient reaches it).
+
+    Args:
+        dim, codebook_size: D and K.
+        decay, semantics, eps, threshold, reset_cluster_size, restart_after_steps: passed to
+            :func:`sparsefuse.vq_ema_update` (``threshold`` is the dead-code threshold of the
+            ``"laplace"`` semantics; 0 turns restarts off).
+        commitment_weight: beta of the commitment loss.
+        cosine, precision: passed to :func:`sparsefuse.nearest_code`.
+        kmeans_init, kmeans_iters: initialise the codebook with Lloyd's k-means on the first
+            training batch (on the device, all-reduced over ``process_group``).
+        process_group: ``torch.distributed`` group the EMA statistics are reduced over.
+        generator: optional ``torch.Generator`` for restarts and k-means seeding.
+
+    Buffers (all in ``state_dict``): ``codebook [K, D]``, ``cluster_size [K]``, ``embed_sum [K, D]``,
+    ``steps_since_active [K]`` int64, ``initted`` bool.
+    """
+
+    def __init__(self, dim: int, codebook_size: int, *, decay: float = 0.99, semantics: str = "laplace",
+                 commitment_weight: float = 0.25, eps: float = 1e-5, threshold: float = 0.0,
+                 reset_cluster_size: Optional[float] = None, restart_after_steps: int = 0, cosine: bool = False,
+                 precision: str = "exact", kmeans_init: bool = False, kmeans_iters: int = 10, process_group=None,
+                 generator: Optional[torch.Generator] = None, deterministic: Optional[bool] = None,
+                 _levels: Optional[int] = None):
+        super().__init__()
+        self.dim, self.codebook_size = dim, codebook_size
+        self.decay, self.semantics, self.eps = decay, semantics, eps
+        self.commitment_weight = commitment_weight
+        self.threshold, self.reset_cluster_size = threshold, reset_cluster_size
+        self.restart_after_steps = restart_after_steps
+        self.cosine, self.precision = cosine, precision
+        self.kmeans_iters = kmeans_iters
+        self.process_group, self.generator, self.deterministic = process_group, generator, deterministic
+        lead = () if _levels is None else (_levels,)
+        codebook = torch.randn(*lead, codebook_size, dim)
+        if cosine:
+            codebook = F.normalize(codebook, dim=-1)
+        self.register_buffer("codebook", codebook)
+        self.register_buffer("cluster_size", torch.ones(*lead, codebook_size))
+        self.register_buffer("embed_sum", codebook.clone())
+        self.register_buffer("steps_since_active", torch.zeros(*lead, codebook_size, dtype=torch.int64))
+        self.register_buffer("initted", torch.tensor(not kmeans_init))
+        # a host copy of ``initted``, so that forward never reads the device flag (a sync)
+        self._initted = not kmeans_init
+        self.register_load_state_dict_post_hook(_sync_initted)
+
+    def _update_kwargs(self):
+        return dict(decay=self.decay, semantics=self.semantics, eps=self.eps, threshold=self.threshold,
+                    reset_cluster_size=self.reset_cluster_size, restart_after_steps=self.restart_after_steps,
+                    generator=self.generator, process_group=self.process_group, deterministic=self.deterministic)
+
+    @torch.no_grad()
+    def kmeans_init_(self, x: Tensor) -> None:
+        """Initialise the state from k-means on ``x [B, D]``: codebook = centroids, N = max(count, 1),
+        S = N * centroid (so the first refresh keeps the centroids)."""
+        c, n = _kmeans(x.detach().reshape(-1, self.dim), self.codebook_size, self.kmeans_iters, cosine=self.cosine,
+                       precision=self.precision, generator=self.generator, process_group=self.process_group)
+        self._set_state(c, n)
+        self.initted.fill_(True)
+        self._initted = True
+
+    def _set_state(self, c, n, level=None):
+        sel = (lambda t: t) if level is None else (lambda t: t[level])
+        n = n.clamp_min(1)
+        sel(self.codebook).copy_(c)
+        sel(self.cluster_size).copy_(n)
+        sel(self.embed_sum).copy_(c * n[:, None])
+        sel(self.steps_since_active).zero_()
+
+    def forward(self, x: Tensor):
+        flat = x.reshape(-1, self.dim)
+        if self.training and not self._initted:
+            self.kmeans_init_(flat)
+        codes, _ = nearest_code(flat.detach(), self.codebook, cosine=self.cosine, precision=self.precision)
+        q = F.embedding(codes, self.codebook)
+        loss = self.commitment_weight * (flat.float() - q).square().mean()
+        out = flat + (q.to(flat.dtype) - flat).detach()
+        if self.training:
+            vq_ema_update(flat.detach(), codes, self.codebook, self.cluster_size, self.embed_sum,
+                          self.steps_since_active, _check_codes=False, **self._update_kwargs())
+        return out.view_as(x), codes.view(x.shape[:-1]), loss
+
+
+class ResidualVQ(VectorQuantizer):
+    """Residual VQ with ``num_levels`` codebooks: level l quantises what levels < l left over.
+
+    ``forward(x [..., D]) -> (quantized [..., D], codes [..., L] int64, loss [])``; ``loss`` is the
+    commitment weight times the mean over levels of ``mean((r_l - sg(q_l))^2)``. In training mode all
+    L codebooks (stacked ``[L, K, D]`` state) are updated by one multi-level EMA call. Other
+    arguments as for :class:`VectorQuantizer`; k-means initialisation runs level by level.
+    """
+
+    def __init__(self, num_levels: int, dim: int, codebook_size: int, **kwargs):
+        super().__init__(dim, codebook_size, _levels=num_levels, **kwargs)
+        self.num_levels = num_levels
+
+    @torch.no_grad()
+    def kmeans_init_(self, x: Tensor) -> None:
+        r = x.detach().reshape(-1, self.dim).float()
+        for level in range(self.num_levels):
+            c, n = _kmeans(r, self.codebook_size, self.kmeans_iters, cosine=self.cosine, precision=self.precision,
+                           generator=self.generator, process_group=self.process_group)
+            self._set_state(c, n, level)
+            codes, _ = nearest_code(r, c, cosine=self.cosine, precision=self.precision)
+            r = r - c[codes]
+        self.initted.fill_(True)
+        self._initted = True
+
+    def forward(self, x: Tensor):
+        flat = x.reshape(-1, self.dim)
+        if self.training and not self._initted:
+            self.kmeans_init_(flat)
+        resid = flat.detach().float()
+        inputs, all_codes, total = [], [], torch.zeros_like(resid)
+        loss = flat.new_zeros((), dtype=torch.float32)
+        for level in range(self.num_levels):
+            codes, _ = nearest_code(resid, self.codebook[level], cosine=self.cosine, precision=self.precision)
+            q = F.embedding(codes, self.codebook[level])
+            inputs.append(resid)
+            all_codes.append(codes)
+            # r_l = x - sg(q_0 + ... + q_{l-1}): the loss pulls x towards each partial reconstruction
+            loss = loss + ((flat.float() - total) - q).square().mean()
+            total = total + q
+            resid = resid - q
+        loss = loss * (self.commitment_weight / self.num_levels)
+        out = flat + (total.to(flat.dtype) - flat).detach()
+        codes = torch.stack(all_codes)  # [L, B]
+        if self.training:
+            vq_ema_update(torch.stack(inputs), codes, self.codebook, self.cluster_size, self.embed_sum,
+                          self.steps_since_active, _check_codes=False, **self._update_kwargs())
+        return out.view_as(x), codes.T.reshape(*x.shape[:-1], self.num_levels), loss

@@ -1,0 +1,264 @@
+"""Registered ops and the public functions for VQ codebooks.
+
+* :func:`vq_ema_update`: the EMA codebook update with dead-code restart, in place, for one codebook
+  or L stacked residual levels at once. Ops: ``vq_ema_accumulate`` (batch statistics), then
+  ``vq_ema_apply`` (blend, refresh, counters, restart) with, under DDP, an all-reduce between them
+  and ``vq_ema_restart`` after a second one.
+* :func:`nearest_code`: fused distance + argmin search, ``nearest_code`` op.
+
+In eager mode the public functions call the launchers directly instead of going through the
+dispatcher: the update is not differentiable and a registered op costs tens of microseconds of host
+time per call, more than the whole update takes on the GPU at small shapes. Under ``torch.compile``
+they go through the registered ops, so tracing sees an op with a fake implementation and declared
+mutations. On CPU tensors without the Triton interpreter, the references in ``reference.py`` run.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._registry import INTERPRET, register_op
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from . import kernels, reference
+
+SEMANTICS = ("laplace", "active")
+PRECISIONS = ("exact", "tf32x3", "fast")
+_COUNTER_EXACT = 1 << 24
+
+
+def _run(op, kernel_fn, reference_fn, device: torch.device, *args):
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if device.type == "cuda" or INTERPRET:
+        return kernel_fn(*args)
+    return reference_fn(*args)
+
+
+# --- EMA update: accumulate -------------------------------------------------------------------------
+
+
+def _acc_fake(x, codes, cluster_size, counters, deterministic, check_codes):
+    L, K = cluster_size.shape
+    return x.new_empty(kernels.stats_layout(L, K, x.shape[-1])[3], dtype=torch.float32)
+
+
+def _acc_reference(x, codes, cluster_size, counters, deterministic, check_codes):
+    L, K = cluster_size.shape
+    if check_codes:
+        check_index_range("codes", codes, K)
+    n, s = reference.ema_accumulate(x, codes, K)
+    cnt = (torch.zeros_like(cluster_size) if counters is None
+           else counters.clamp_max(_COUNTER_EXACT).to(torch.float32))
+    return torch.cat([s.float().flatten(), n.float().flatten(), cluster_size.float().flatten(), cnt.flatten()])
+
+
+@register_op("vq_ema_accumulate", fake=_acc_fake, reference=_acc_reference)
+def _acc_op(x: Tensor, codes: Tensor, cluster_size: Tensor, counters: Optional[Tensor], deterministic: bool,
+            check_codes: bool) -> Tensor:
+    return kernels.ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes)
+
+
+# --- EMA update: apply and restart --------------------------------------------------------------------
+
+
+def _apply_fake(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
+                restart_after, active, world, rank):
+    L, K, D = codebook.shape
+    dist = world > 1
+    return (codebook.new_empty((L, K, D) if dist else (0,), dtype=torch.float32),
+            codebook.new_empty((L, K) if dist else (0,), dtype=torch.int8))
+
+
+def _apply_reference(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
+                     restart_after, active, world, rank):
+    L, K, D = codebook.shape
+    s, n, _, _ = kernels.split_stats(stats, L, K, D)
+    return reference.ema_apply(x, codebook, cluster_size, embed_sum, counters, n, s, key, decay=decay,
+                               active=active, eps=eps, threshold=threshold, reset=reset,
+                               restart_after=restart_after, world=world, rank=rank)
+
+
+@register_op("vq_ema_apply", fake=_apply_fake, reference=_apply_reference,
+             mutates_args=("codebook", "cluster_size", "embed_sum", "counters"))
+def _apply_op(
+    x: Tensor, codebook: Tensor, cluster_size: Tensor, embed_sum: Tensor, counters: Optional[Tensor], stats: Tensor,
+    key: Tensor, decay: float, eps: float, threshold: float, reset: float, restart_after: int, active: bool,
+    world: int, rank: int,
+) -> tuple[Tensor, Tensor]:
+    return kernels.ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold,
+                             reset, restart_after, active, world, rank)
+
+
+def _restart_fake(codebook, embed_sum, cand, dead, reset):
+    return None
+
+
+@register_op("vq_ema_restart", fake=_restart_fake, reference=reference.ema_restart,
+             mutates_args=("codebook", "embed_sum"))
+def _restart_op(codebook: Tensor, embed_sum: Tensor, cand: Tensor, dead: Tensor, reset: float) -> None:
+    kernels.ema_restart(codebook, embed_sum, cand, dead, reset)
+
+
+def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay):
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    if not 0.0 <= float(decay) <= 1.0:
+        raise ValueError(f"decay must lie in [0, 1], got {decay}")
+    check_tensor("codebook", codebook, dtypes=(torch.float32,))
+    if codebook.dim() not in (2, 3):
+        raise ValueError(f"codebook must be [K, D] or [L, K, D], got shape {tuple(codebook.shape)}")
+    lead = tuple(codebook.shape[:-2])
+    K, D = codebook.shape[-2:]
+    if K < 1:
+        raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
+    dev = codebook.device
+    check_tensor("cluster_size", cluster_size, shape=lead + (K,), dtypes=(torch.float32,), device=dev)
+    check_tensor("embed_sum", embed_sum, shape=lead + (K, D), dtypes=(torch.float32,), device=dev)
+    check_tensor("steps_since_active", counters, shape=lead + (K,), dtypes=INDEX_DTYPES, device=dev, optional=True)
+    check_tensor("x", x, shape=lead + (None, D), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("codes", codes, shape=tuple(x.shape[:-1]), dtypes=INDEX_DTYPES, device=dev)
+    for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
+                    ("steps_since_active", counters)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: it is updated in place")
+
+
+def vq_ema_update(
+    x: Tensor, codes: Tensor, codebook: Tensor, cluster_size: Tensor, embed_sum: Tensor,
+    steps_since_active: Optional[Tensor] = None, *, decay: float = 0.99, semantics: str = "laplace",
+    eps: float = 1e-5, threshold: float = 0.0, reset_cluster_size: Optional[float] = None,
+    restart_after_steps: int = 0, generator: Optional[torch.Generator] = None, process_group=None,
+    deterministic: Optional[bool] = None, _check_codes: bool = True,
+) -> None:
+    """EMA codebook update with dead-code restart, in place, in two kernel launches.
+
+    Args:
+        x: ``[B, D]`` rows that were quantised (float32, bfloat16, float16), or ``[L, B, D]`` for L
+            residual levels updated together.
+        codes: ``[B]`` / ``[L, B]`` int32/int64 code of each row, in ``[0, K)``.
+        codebook: ``[K, D]`` / ``[L, K, D]`` float32, contiguous; rewritten in place.
+        cluster_size: ``[K]`` / ``[L, K]`` float32 EMA of the code counts (N), in place.
+        embed_sum: ``[K, D]`` / ``[L, K, D]`` float32 EMA of the code sums (S), in place.
+        steps_since_active: ``[K]`` / ``[L, K]`` int32/int64 counters, in place, or None (required
+            for ``semantics="active"`` with ``restart_after_steps > 0``).
+        decay: EMA factor gamma in [0, 1].
+        semantics: ``"laplace"`` (every code decays; codebook = S / Laplace-smoothed N; a code with
+            N < ``threshold`` after the blend restarts with N = ``reset_cluster_size``, default
+            ``threshold``, and S = N * v) or ``"active"`` (only codes used in the batch blend and
+            refresh, codebook = S / max(N, eps); a code unused for ``restart_after_steps`` steps
+            restarts with N = S = 0). See ``sparsefuse.vq.reference`` for the exact math.
+        eps: Laplace smoothing epsilon, or the floor on N for ``"active"``.
+        generator: ``torch.Generator`` on x's device for the restart rows (same state, same rows).
+        process_group: a ``torch.distributed`` group: the batch statistics (and the restart rows)
+            are all-reduced over it, so every rank ends with the same state, equal to one process
+            updating on the concatenated batch. Every rank must pass the same B.
+        deterministic: sum the statistics in a fixed order (rows sorted by code) instead of with
+            atomics; default ``torch.are_deterministic_algorithms_enabled()``.
+
+    Dead codes restart from distinct random rows of x while there are at most B (world * B) of
+    them. No B x K one-hot, no host sync, fp32 state whatever the dtype of x.
+    """
+    active = semantics == "active"
+    _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay)
+    if active and restart_after_steps > 0 and steps_since_active is None:
+        raise ValueError("semantics='active' with restart_after_steps > 0 needs steps_since_active")
+    if restart_after_steps >= _COUNTER_EXACT:
+        raise ValueError(f"restart_after_steps must be below 2^24, got {restart_after_steps}")
+    if codebook.dim() == 2:
+        x, codes, codebook, cluster_size, embed_sum = (t.unsqueeze(0) for t in (x, codes, codebook, cluster_size,
+                                                                              embed_sum))
+        steps_since_active = None if steps_since_active is None else steps_since_active.unsqueeze(0)
+    L, K, D = codebook.shape
+    dev = codebook.device
+    reset = 0.0 if active else float(threshold if reset_cluster_size is None else reset_cluster_size)
+    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    key = reference.draw_key(L, dev, generator)
+    world, rank = 1, 0
+    if process_group is not None:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        if world > 1:
+            dist.broadcast(key, src=dist.get_global_rank(process_group, 0), group=process_group)
+    stats = _run(_acc_op, kernels.ema_accumulate, _acc_reference, dev, x, codes, cluster_size, steps_since_active,
+                 det, bool(_check_codes))
+    if world > 1:
+        dist.all_reduce(stats[: L * K * (D + 1)], group=process_group)
+    cand, dead = _run(_apply_op, kernels.ema_apply, _apply_reference, dev, x, codebook, cluster_size, embed_sum,
+                      steps_since_active, stats, key, float(decay), float(eps), float(threshold), reset,
+                      int(restart_after_steps), active, world, rank)
+    if world > 1:
+        dist.all_reduce(cand, group=process_group)
+        _run(_restart_op, kernels.ema_restart, reference.ema_restart, dev, codebook, embed_sum, cand, dead, reset)
+
+
+def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=None,
+                     deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+    """Per-code counts and sums ``(n [K], s [K, D])`` (``[L, ...]`` for stacked x), float32, no one-hot;
+    all-reduced over ``process_group`` when given. Used by the k-means initialisation."""
+    single = x.dim() == 2
+    if single:
+        x, codes = x.unsqueeze(0), codes.unsqueeze(0)
+    L, B, D = x.shape
+    cs = torch.zeros(L, num_codes, device=x.device, dtype=torch.float32)
+    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    stats = _run(_acc_op, kernels.ema_accumulate, _acc_reference, x.device, x, codes, cs, None, det, True)
+    if process_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(stats[: L * num_codes * (D + 1)], group=process_group)
+    s, n, _, _ = kernels.split_stats(stats, L, num_codes, D)
+    return (n[0], s[0]) if single else (n, s)
+
+
+# --- nearest-code search --------------------------------------------------------------------------------
+
+
+def _search_fake(x, codebook, cosine, precision):
+    acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=acc)
+
+
+def _search_reference(x, codebook, cosine, precision):
+    return reference.nearest_code(x, codebook, cosine)
+
+
+def _search_kernel(x, codebook, cosine, precision):
+    if torch.float64 in (x.dtype, codebook.dtype):
+        return reference.nearest_code(x, codebook, cosine)
+    return kernels.nearest_code(x, codebook, cosine, precision)
+
+
+@register_op("nearest_code", fake=_search_fake, reference=_search_reference)
+def _search_op(x: Tensor, codebook: Tensor, cosine: bool, precision: str) -> tuple[Tensor, Tensor]:
+    return _search_kernel(x, codebook, cosine, precision)
+
+
+def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision: str = "exact") -> tuple[Tensor, Tensor]:
+    """Nearest code of every row, fused distance + argmin: the B x K distance matrix never exists.
+
+    Args:
+        x: ``[B, D]`` rows (float16, bfloat16, float32, float64).
+        codebook: ``[K, D]``.
+        cosine: pick the code of largest cosine similarity instead of smallest Euclidean distance.
+        precision: for float32 inputs, ``"exact"`` (IEEE fp32 products and sums), ``"tf32x3"``
+            (tensor cores, three TF32 products per fp32 product: fp32-level error) or ``"fast"``
+            (one TF32 product). 16-bit inputs always use their native tensor-core dot, whose products
+            are exact in fp32; mixed dtypes compute in the promoted dtype; float64 runs the reference.
+
+    Returns:
+        ``codes [B]`` int64, ties to the lowest index; ``dist [B]`` float32 (float64 for float64
+        inputs): the squared distance ``||x - c||^2`` (clamped at 0), or with ``cosine`` the squared
+        distance between the unit vectors, ``2 - 2 cos``. Extra memory O(B + K).
+    """
+    check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
+    K, D = codebook.shape
+    check_tensor("x", x, shape=(None, D), dtypes=FLOAT_DTYPES, device=codebook.device)
+    if K < 1:
+        raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return _run(_search_op, _search_kernel, _search_reference, x.device, x, codebook, bool(cosine), precision)

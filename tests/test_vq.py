@@ -1,0 +1,430 @@
+"""VQ codebook ops: EMA update (both semantics, levels, restarts), nearest-code search, modules.
+
+CPU tier: the Triton kernels under the interpreter against ``sparsefuse.vq.reference`` run in
+float64. GPU tier (``-m gpu``): every x dtype and the benchmark shapes.
+"""
+
+import pytest
+import torch
+
+import sparsefuse
+from helpers import DEVICE, TOL, assert_close
+from sparsefuse.compat import ema_update as compat_ema_update
+from sparsefuse.vq import ResidualVQ, VectorQuantizer, batch_statistics, nearest_code, reference, vq_ema_update
+
+
+def make(B, K, D, *, L=None, dtype=torch.float32, device=DEVICE, seed=0, used=None):
+    """Random state; ``used`` limits the codes drawn to the first ``used`` ids."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lead = () if L is None else (L,)
+    x = torch.randn(*lead, B, D, generator=g)
+    codes = torch.randint(0, used or K, (*lead, B), generator=g)
+    codebook = torch.randn(*lead, K, D, generator=g)
+    cs = torch.rand(*lead, K, generator=g) * 4
+    es = codebook * cs[..., None] + 0.1 * torch.randn(*lead, K, D, generator=g)
+    cnt = torch.randint(0, 4, (*lead, K), generator=g)
+    return [t.to(device) for t in (x.to(dtype), codes, codebook, cs, es, cnt)]
+
+
+def run_both(x, codes, state, *, semantics, decay=0.9, threshold=1.5, restart_after=3, reset=None, seed=7,
+             deterministic=False):
+    """(fused state, float64 reference state) after one update from the same generator state."""
+    got = [t.clone() for t in state]
+    dev = x.device
+    vq_ema_update(x, codes, *got, decay=decay, semantics=semantics, threshold=threshold, reset_cluster_size=reset,
+                  restart_after_steps=restart_after, generator=torch.Generator(device=dev).manual_seed(seed),
+                  deterministic=deterministic)
+    want = [t.double() if t.is_floating_point() else t.clone() for t in state]
+    reference.ema_update(x.double(), codes, *want, decay=decay, active=semantics == "active", threshold=threshold,
+                         reset=reset, restart_after=restart_after,
+                         generator=torch.Generator(device=dev).manual_seed(seed))
+    return got, want
+
+
+def assert_state(got, want, dtype=torch.float32, scale=1.0):
+    for name, a, b in zip(("codebook", "cluster_size", "embed_sum", "steps_since_active"), got, want):
+        if b.is_floating_point():
+            assert_close(a, b, dtype, name, scale=scale)
+        else:
+            assert torch.equal(a, b), f"{name} differs"
+
+
+SHAPES = [
+    pytest.param(37, 11, 20, id="B37-K11-D20"),
+    pytest.param(1, 3, 5, id="B1-K3-D5"),
+    pytest.param(50, 1, 100, id="B50-K1-D100"),
+    pytest.param(5, 50, 1, id="B5-K50-D1"),
+]
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+@pytest.mark.parametrize("B,K,D", SHAPES)
+def test_ema_update_matches_reference(semantics, B, K, D):
+    x, codes, *state = make(B, K, D)
+    got, want = run_both(x, codes, state, semantics=semantics)
+    assert_state(got, want)
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+@pytest.mark.parametrize("decay", [0.0, 1.0, 0.5])
+def test_ema_update_decay_extremes(semantics, decay):
+    x, codes, *state = make(29, 7, 9)
+    got, want = run_both(x, codes, state, semantics=semantics, decay=decay)
+    assert_state(got, want)
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_all_codes_active(semantics):
+    K = 6
+    x, _, *state = make(24, K, 5)
+    codes = torch.arange(24, device=x.device) % K
+    got, want = run_both(x, codes, state, semantics=semantics, threshold=0.5)
+    assert_state(got, want)
+    assert (got[3] == 0).all()
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_no_code_active(semantics):
+    x, codes, *state = make(0, 5, 4)
+    got, want = run_both(x, codes, state, semantics=semantics)
+    assert_state(got, want)
+    if semantics == "active":  # nothing blends: the state is untouched apart from the counters
+        for a, b in zip(got[:3], state[:3]):
+            assert torch.equal(a, b)
+    assert torch.equal(got[3], state[3] + 1)
+
+
+def test_restart_rows_are_distinct_rows_of_x():
+    B, K, D = 9, 40, 6
+    x, codes, *state = make(B, K, D, used=2)  # codes 2.. unused: with threshold 5 almost all are dead
+    got, want = run_both(x, codes, state, semantics="laplace", threshold=5.0, reset=5.0)
+    assert_state(got, want)
+    dead = got[1] == 5.0
+    rows = got[0][dead]
+    assert dead.sum() > B
+    first = rows[:B]  # the first B dead codes take B distinct rows
+    match = (first[:, None, :] == x[None, :, :]).all(-1)
+    assert torch.equal(match.sum(1), torch.ones(B, dtype=torch.long, device=x.device))
+    assert torch.equal(match.sum(0), torch.ones(B, dtype=torch.long, device=x.device))
+    # consistent buffers: the next refresh keeps the replacement near its row
+    assert_close(got[2][dead], got[0][dead] * 5.0, torch.float32, "embed_sum of restarted codes")
+
+
+def test_restart_survives_the_step():
+    """A dead code's new vector is the row of x, not overwritten by the refresh of the same step."""
+    x, codes, *state = make(16, 8, 4, used=1)
+    got, _ = run_both(x, codes, state, semantics="laplace", threshold=100.0, reset=1.0)
+    assert (got[0][1:, None, :] == x[None]).all(-1).any(1).all()
+
+
+def test_generator_reproducible():
+    x, codes, *state = make(12, 30, 4, used=3)
+    a, _ = run_both(x, codes, state, semantics="laplace", threshold=5.0, seed=3)
+    b, _ = run_both(x, codes, state, semantics="laplace", threshold=5.0, seed=3)
+    c, _ = run_both(x, codes, state, semantics="laplace", threshold=5.0, seed=4)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    assert not torch.equal(a[0], c[0])
+
+
+def test_restart_rows_is_a_permutation():
+    key = reference.draw_key(1, "cpu", torch.Generator().manual_seed(0))[0]
+    for n in (1, 2, 3, 7, 64, 1000):
+        v = reference.restart_rows(key, torch.arange(n), n)
+        assert torch.equal(v.sort().values, torch.arange(n))
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_levels_equal_loop_of_single_levels(semantics):
+    L, B, K, D = 3, 21, 9, 7
+    x, codes, *state = make(B, K, D, L=L, used=5)
+    got = [t.clone() for t in state]
+    vq_ema_update(x, codes, *got, decay=0.8, semantics=semantics, threshold=1.5, restart_after_steps=3,
+                  generator=torch.Generator().manual_seed(5))
+    key = reference.draw_key(L, "cpu", torch.Generator().manual_seed(5))
+    for level in range(L):
+        want = [t[level].double() if t.is_floating_point() else t[level].clone() for t in state]
+        reference.ema_update(x[level].double(), codes[level], *want, decay=0.8, active=semantics == "active",
+                             threshold=1.5, restart_after=3, key=key[level:level + 1])
+        assert_state([t[level] for t in got], want)
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_deterministic_statistics_match(semantics):
+    x, codes, *state = make(33, 10, 12, used=6)
+    got, want = run_both(x, codes, state, semantics=semantics, deterministic=True)
+    assert_state(got, want)
+
+
+def test_batch_statistics():
+    x, codes, *_ = make(31, 6, 5)
+    n, s = batch_statistics(x, codes, 6)
+    want_n, want_s = reference.ema_accumulate(x[None].double(), codes[None], 6)
+    assert_close(n, want_n[0], torch.float32, "n")
+    assert_close(s, want_s[0], torch.float32, "s")
+
+
+def test_compat_ema_update():
+    x, codes, codebook, cs, es, cnt = make(19, 8, 6, used=4)
+    a = [codebook.clone(), cs.clone(), es.clone(), cnt.clone()]
+    b = [t.clone() for t in a]
+    torch.manual_seed(0)
+    compat_ema_update(x, codes, a[1], a[2], a[0], a[3], 0.9, 2)
+    torch.manual_seed(0)
+    vq_ema_update(x, codes, *b, decay=0.9, semantics="active", restart_after_steps=2)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_ema_update_bad_inputs():
+    x, codes, *state = make(8, 5, 4)
+    with pytest.raises(IndexError, match="codes holds 5"):
+        vq_ema_update(x, torch.full_like(codes, 5), *[t.clone() for t in state])
+    with pytest.raises(IndexError, match="codes holds -1"):
+        vq_ema_update(x, torch.full_like(codes, -1), *[t.clone() for t in state])
+    with pytest.raises(ValueError, match="x has shape"):
+        vq_ema_update(x[:, :3], codes, *state)
+    with pytest.raises(ValueError, match="codes has shape"):
+        vq_ema_update(x, codes[:3], *state)
+    with pytest.raises(TypeError, match="codebook has dtype float64"):
+        vq_ema_update(x, codes, state[0].double(), *state[1:])
+    with pytest.raises(ValueError, match="x is on meta"):
+        vq_ema_update(x.to("meta"), codes, *state)
+    with pytest.raises(ValueError, match="semantics must be one of"):
+        vq_ema_update(x, codes, *state, semantics="kmeans")
+    with pytest.raises(ValueError, match="needs steps_since_active"):
+        vq_ema_update(x, codes, *state[:3], semantics="active", restart_after_steps=2)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        vq_ema_update(x, codes, state[0].T.contiguous().T, *state[1:])
+
+
+def test_ema_ops_opcheck():
+    x, codes, codebook, cs, es, cnt = make(13, 6, 5, used=3)
+    x3, c2 = x[None], codes[None]
+    acc_args = (x3, c2, cs[None].clone(), cnt[None].clone(), False, True)
+    torch.library.opcheck(torch.ops.sparsefuse.vq_ema_accumulate.default, acc_args)
+    stats = torch.ops.sparsefuse.vq_ema_accumulate(*acc_args)
+    key = reference.draw_key(1, "cpu", torch.Generator().manual_seed(0))
+    for world in (1, 2):
+        args = (x3, codebook[None].clone(), cs[None].clone(), es[None].clone(), cnt[None].clone(), stats, key,
+                0.9, 1e-5, 1.5, 1.5, 2, False, world, 0)
+        torch.library.opcheck(torch.ops.sparsefuse.vq_ema_apply.default, args)
+
+
+def _compiled_update(x, codes, codebook, cs, es, cnt):
+    vq_ema_update(x, codes, codebook, cs, es, cnt, decay=0.9, semantics="laplace")
+    return nearest_code(x, codebook)
+
+
+def test_compile_fullgraph_parity():
+    x, codes, *state = make(17, 6, 8)
+    eager = [t.clone() for t in state]
+    compiled = [t.clone() for t in state]
+    want = _compiled_update(x, codes, *eager)
+    got = torch.compile(_compiled_update, fullgraph=True)(x, codes, *compiled)
+    assert_state(compiled, eager)
+    assert torch.equal(got[0], want[0])
+    assert_close(got[1], want[1], torch.float32, "dist")
+
+
+# --- nearest-code search -----------------------------------------------------------------------------
+
+
+SEARCH_SHAPES = [
+    pytest.param(37, 50, 20, id="B37-K50-D20"),
+    pytest.param(1, 1, 1, id="B1-K1-D1"),
+    pytest.param(37, 3, 100, id="B37-K3-D100"),
+    pytest.param(20, 70, 3, id="B20-K70-D3"),
+]
+
+
+def assert_search(x, c, codes, dist, cosine=False, tol=1e-5):
+    want_codes, want_dist = reference.nearest_code_exact(x, c, cosine)
+    # the chosen code is optimal up to rounding; where the float64 optimum is unique by a margin it is it
+    _, all_d = reference.nearest_code_exact(x, c, cosine)
+    xf, cf = x.double(), c.double()
+    if cosine:
+        xf = xf / xf.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        cf = cf / cf.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    d = (xf[:, None] - cf[None]).square().sum(-1)
+    scale = 1 + d.abs().max(1).values
+    chosen = d.gather(1, codes[:, None].to(d.device))[:, 0]
+    assert (chosen <= want_dist + tol * scale).all(), "a row did not get its nearest code"
+    second = d.scatter(1, want_codes[:, None], float("inf")).min(1).values
+    clear = (second - want_dist) > 10 * tol * scale
+    assert torch.equal(codes[clear].cpu(), want_codes[clear].cpu())
+    assert ((dist.double() - want_dist).abs() <= 10 * tol * scale).all(), "distances differ"
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["l2", "cos"])
+@pytest.mark.parametrize("B,K,D", SEARCH_SHAPES)
+def test_nearest_code_matches_brute_force(B, K, D, cosine):
+    x, _, c, *_ = make(B, K, D)
+    codes, dist = nearest_code(x, c, cosine=cosine)
+    assert codes.dtype == torch.int64 and dist.dtype == torch.float32
+    assert_search(x, c, codes, dist, cosine)
+
+
+@pytest.mark.parametrize("precision", ["exact", "tf32x3", "fast"])
+def test_nearest_code_ties_go_to_lowest_index(precision):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(5, 16, generator=g)
+    c = torch.cat([base, base, base[:2]]).to(DEVICE)  # every vector three or two times
+    x = torch.cat([base, base + 0.01 * torch.randn(5, 16, generator=g)]).to(DEVICE)
+    codes, _ = nearest_code(x, c, precision=precision)
+    assert torch.equal(codes.cpu(), torch.arange(10) % 5)
+
+
+def test_nearest_code_float64_and_mixed():
+    x, _, c, *_ = make(23, 9, 6)
+    codes, dist = nearest_code(x.double(), c.double())
+    assert dist.dtype == torch.float64
+    assert_search(x, c, codes, dist, tol=1e-12)
+    codes, dist = nearest_code(x.double(), c)
+    assert_search(x, c, codes, dist, tol=1e-12)
+
+
+def test_nearest_code_opcheck():
+    x, _, c, *_ = make(19, 7, 6)
+    for cosine in (False, True):
+        torch.library.opcheck(torch.ops.sparsefuse.nearest_code.default, (x, c, cosine, "exact"))
+
+
+def test_nearest_code_bad_inputs():
+    x, _, c, *_ = make(8, 5, 4)
+    with pytest.raises(ValueError, match="x has shape"):
+        nearest_code(x[:, :3], c)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        nearest_code(x, c, precision="half")
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        nearest_code(x.long(), c)
+    with pytest.raises(ValueError, match="x is on meta"):
+        nearest_code(x.to("meta"), c)
+    with pytest.raises(ValueError, match="at least one code"):
+        nearest_code(x, c[:0])
+
+
+# --- modules ---------------------------------------------------------------------------------------------
+
+
+def test_vector_quantizer_step():
+    torch.manual_seed(0)
+    vq = VectorQuantizer(6, 10, decay=0.9, threshold=0.5, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x = torch.randn(4, 5, 6, device=DEVICE, requires_grad=True)
+    state = [b.clone() for b in (vq.codebook, vq.cluster_size, vq.embed_sum, vq.steps_since_active)]
+    out, codes, loss = vq(x)
+    want_codes, _ = nearest_code(x.detach().reshape(-1, 6), state[0])
+    assert torch.equal(codes.reshape(-1), want_codes)
+    assert_close(out.detach(), state[0][codes], torch.float32, "quantized")
+    assert_close(loss, 0.25 * (x.detach() - state[0][codes]).square().mean(), torch.float32, "loss")
+    (gx,) = torch.autograd.grad(out.sum() + loss, x)
+    assert_close(gx, 1 + 0.5 * (x.detach() - state[0][codes]) / x.numel(), torch.float32, "grad")
+    vq_ema_update(x.detach().reshape(-1, 6), want_codes, *state, decay=0.9, threshold=0.5,
+                  generator=torch.Generator().manual_seed(1))
+    for a, b in zip(state, (vq.codebook, vq.cluster_size, vq.embed_sum, vq.steps_since_active)):
+        assert torch.equal(a, b)
+    vq.eval()
+    before = vq.codebook.clone()
+    vq(x)
+    assert torch.equal(before, vq.codebook)
+
+
+def test_vector_quantizer_kmeans_and_state_dict():
+    torch.manual_seed(0)
+    centres = torch.randn(4, 3) * 10
+    x = (centres[torch.arange(64) % 4] + 0.1 * torch.randn(64, 3)).to(DEVICE)
+    vq = VectorQuantizer(3, 4, kmeans_init=True, kmeans_iters=5, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    _, _, loss = vq(x)
+    assert float(loss) < 0.25 * 0.1, "k-means did not find the clusters"
+    clone = VectorQuantizer(3, 4, kmeans_init=True).to(DEVICE)
+    clone.load_state_dict(vq.state_dict())
+    assert bool(clone.initted)
+    for a, b in zip(vq.state_dict().values(), clone.state_dict().values()):
+        assert torch.equal(a, b)
+    vq.eval()
+    clone.eval()
+    assert torch.equal(vq(x)[1], clone(x)[1])
+
+
+def test_residual_vq_uses_one_multi_level_update():
+    torch.manual_seed(0)
+    rvq = ResidualVQ(3, 5, 7, decay=0.8, threshold=0.3, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x = torch.randn(11, 5, device=DEVICE, requires_grad=True)
+    state = [b.clone() for b in (rvq.codebook, rvq.cluster_size, rvq.embed_sum, rvq.steps_since_active)]
+    out, codes, loss = rvq(x)
+    assert codes.shape == (11, 3) and out.shape == x.shape
+    resid, inputs, total = x.detach(), [], torch.zeros_like(x)
+    for level in range(3):
+        want, _ = nearest_code(resid, state[0][level])
+        assert torch.equal(codes[:, level], want)
+        inputs.append(resid)
+        total = total + state[0][level][want]
+        resid = resid - state[0][level][want]
+    assert_close(out.detach(), total, torch.float32, "quantized")
+    vq_ema_update(torch.stack(inputs), codes.T.contiguous(), *state, decay=0.8, threshold=0.3,
+                  generator=torch.Generator().manual_seed(2))
+    for a, b in zip(state, (rvq.codebook, rvq.cluster_size, rvq.embed_sum, rvq.steps_since_active)):
+        assert_close(b, a, torch.float32) if a.is_floating_point() else torch.equal(a, b)
+    rvq2 = ResidualVQ(3, 5, 7, kmeans_init=True, kmeans_iters=3).to(DEVICE)
+    rvq2(x)
+    assert bool(rvq2.initted)
+
+
+def test_public_exports():
+    assert sparsefuse.vq_ema_update is vq_ema_update and sparsefuse.nearest_code is nearest_code
+
+
+# --- GPU tier ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+@pytest.mark.parametrize("B,K,D", [(640, 256, 64), (16384, 1024, 128), (65536, 1024, 128), (32768, 4096, 256),
+                                   (1000, 333, 77)])
+def test_gpu_ema_update(B, K, D, semantics, dtype):
+    x, codes, *state = make(B, K, D, dtype=dtype, used=K - K // 8)
+    got, want = run_both(x, codes, state, semantics=semantics, threshold=1.0, restart_after=2)
+    assert_state(got, want, scale=5)
+    got_det, _ = run_both(x, codes, state, semantics=semantics, threshold=1.0, restart_after=2, deterministic=True)
+    assert_state(got_det, want, scale=5)
+    again, _ = run_both(x, codes, state, semantics=semantics, threshold=1.0, restart_after=2, deterministic=True)
+    for a, b in zip(again, got_det):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_gpu_levels(semantics):
+    L, B, K, D = 4, 4096, 512, 64
+    x, codes, *state = make(B, K, D, L=L, used=400)
+    got = [t.clone() for t in state]
+    vq_ema_update(x, codes, *got, decay=0.9, semantics=semantics, threshold=1.0, restart_after_steps=2,
+                  generator=torch.Generator(device="cuda").manual_seed(5))
+    key = reference.draw_key(L, "cuda", torch.Generator(device="cuda").manual_seed(5))
+    for level in range(L):
+        want = [t[level].double() if t.is_floating_point() else t[level].clone() for t in state]
+        reference.ema_update(x[level].double(), codes[level], *want, decay=0.9, active=semantics == "active",
+                             threshold=1.0, restart_after=2, key=key[level:level + 1])
+        assert_state([t[level] for t in got], want, scale=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["exact", "tf32x3", "fast"])
+@pytest.mark.parametrize("cosine", [False, True], ids=["l2", "cos"])
+@pytest.mark.parametrize("B,K,D", [(4096, 1024, 128), (3000, 4096, 256), (777, 333, 77)])
+def test_gpu_nearest_code(B, K, D, cosine, precision, dtype):
+    x, _, c, *_ = make(B, K, D, dtype=dtype)
+    c = c.to(dtype)
+    codes, dist = nearest_code(x, c, cosine=cosine, precision=precision)
+    tol = 1e-5 if dtype == torch.float32 and precision != "fast" else 2e-3
+    assert_search(x, c, codes, dist, cosine, tol=tol)
+
+
+@pytest.mark.gpu
+def test_gpu_nearest_code_ties():
+    base = torch.randn(300, 64, device="cuda")
+    c = torch.cat([base] * 4)
+    codes, _ = nearest_code(base, c)
+    assert torch.equal(codes, torch.arange(300, device="cuda"))
