@@ -352,13 +352,14 @@ def _kd_hidden_topk_kernel(
     i_n = tl.program_id(0).to(tl.int64)
     o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     p_w = w_ptr + b_ids * stride_wv  # [BLOCK_K]
-    b_z = tl.zeros([BLOCK_K], dtype=ACC)
+    b_acc = tl.zeros([BLOCK_K, BLOCK_H], dtype=ACC)  # products summed over tiles, reduced once at the end
     for i_h in range(0, H, BLOCK_H):
         o_h = i_h + tl.arange(0, BLOCK_H)
         m_h = o_h < H
         b_h = tl.load(h_ptr + i_n * H + o_h, mask=m_h, other=0).to(ACC)  # [BLOCK_H]
         b_w = tl.load(p_w[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h[None, :], other=0).to(ACC)
-        b_z += tl.sum(b_w * b_h[None, :], 1)  # [BLOCK_K]
+        b_acc += b_w * b_h[None, :]  # [BLOCK_K, BLOCK_H]
+    b_z = tl.sum(b_acc, 1)  # [BLOCK_K]
     if HAS_BIAS:
         b_z += tl.load(b_ptr + b_ids, mask=m_valid, other=0).to(ACC)
     b_s = b_z * inv_t
@@ -613,6 +614,11 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
     flags = mask.any(-1) if mask.dtype == torch.bool else (mask != 0).any(-1)
     _, scale = reduce(None, None, flags, labels, reduction, num_items, num_items_value, ce_weight, acc)
     applied = torch.ones(1, device=dev, dtype=acc)
+    if hidden.dtype == torch.float16:
+        # fp16 gradients divided by the token count fall into subnormals: compute them for a KD
+        # weight of 1 and let the backward's rescale apply the reduction weight (applied = 1 / w).
+        applied = (1.0 / scale[:1]).contiguous()
+        scale = scale / scale[0]
 
     if normalize == 0 and not has_ce:
         flags2 = torch.empty(N, device=dev, dtype=acc)

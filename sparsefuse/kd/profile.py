@@ -52,6 +52,106 @@ def main(N=8192, H=4096, V=128256, K=64, dtype=torch.bfloat16):
     g = torch.randn(N, V, device=dev).to(dtype)
     bare = do_bench(lambda: (h @ w.t(), g @ w, g.t() @ h), warmup=25, rep=200)
     print(f"sum of stages {total:.2f} ms; bare matmuls {bare:.2f} ms; ratio {total / bare:.3f}")
+    del g, z
+    torch.cuda.empty_cache()
+    topk_stages(h, w, ids, t, m)
+    gathered_overhead(N, K)
+
+
+def topk_stages(h, w, ids, t, m):
+    """"topk" from hidden: the gather kernel under a few launch configurations, and the weight gradient."""
+    import triton
+
+    from ..sae import kernels as sae_kernels
+
+    N, H = h.shape
+    V, K = w.shape[0], ids.shape[1]
+    dev = h.device
+    acc = torch.float32
+    tok, flags = torch.empty(N, device=dev), torch.empty(N, device=dev)
+    g = torch.randn(N, K, device=dev) * 1e-3
+    gh = torch.empty_like(h)
+    scale = torch.tensor([1.0 / N, 0.0], device=dev)
+    m8 = kernels._u8(m)
+    for grad in (False, True):
+        for bh in (64, 128, 256):
+            for nw in (2, 4, 8):
+                fn = lambda: kernels._kd_hidden_topk_kernel[(N,)](  # noqa: E731
+                    h, w, None, ids, t, m8, tok, flags, g, gh, scale, H, V, K, w.stride(0), 1.0, 1.0,
+                    HAS_BIAS=False, NEED_GRAD=grad, NEED_GH=grad, ACC=tl_acc, BLOCK_K=triton.next_power_of_2(K),
+                    BLOCK_H=bh, num_warps=nw)
+                tl_acc = kernels._tl_dtype(acc)
+                try:
+                    ms = do_bench(fn, warmup=10, rep=50)
+                except Exception as e:  # noqa: BLE001
+                    ms = float("nan")
+                    print("  failed", bh, nw, type(e).__name__)
+                print(f"hidden_topk kernel grad={grad!s:<5} BLOCK_H={bh:<4} warps={nw}: {ms:7.3f} ms")
+    cfg = sae_kernels._gather_config(K, H, h.element_size())
+    vals = torch.ones(N, K, device=dev)
+    gv = torch.empty(N, K, device=dev)
+    ms = do_bench(lambda: sae_kernels._sae_decode_bwd_kernel[(N,)](ids, vals, w, h, gv, K, H, V, w.stride(0), 1,
+                                                                    ACC=kernels._tl_dtype(acc), **cfg), warmup=10, rep=50)
+    print(f"sae dots (decode bwd kernel) {cfg}: {ms:.3f} ms")
+    ms = do_bench(lambda: sae_kernels.decode_fwd(ids, g, w, None), warmup=10, rep=50)
+    print(f"sae decode fwd (embedding bag, fp32 out): {ms:.3f} ms")
+    clean = torch.where(m, ids, torch.zeros_like(ids))
+    ms = do_bench(lambda: torch.sort(clean.reshape(-1), stable=True), warmup=10, rep=50)
+    print(f"sort of N*K ids: {ms:.3f} ms")
+    ms = do_bench(lambda: sae_kernels.weight_grad(clean, h, g, V, w.dtype), warmup=10, rep=50)
+    print(f"weight_grad (sort + segmented sum): {ms:.3f} ms")
+
+
+def gathered_overhead(N, K, iters=300):
+    """Host time per call of the gathered loss (it is launch-bound at [8192, 64])."""
+    import time
+
+    from .. import topk_kd_loss
+    from ..bench.kd import _ref_gathered
+    from . import ops
+
+    dev = "cuda"
+    ids, t, m = make_targets_small(N, K, dev)
+    z = torch.randn(N, K, device=dev).to(torch.bfloat16).requires_grad_()
+    zd = z.detach()
+    scale = torch.tensor([1.0 / N, 0.0], device=dev)
+    one = torch.ones((), device=dev)
+    m8 = kernels._u8(m)
+    acc = torch.float32
+    tok, flags = torch.empty(N, device=dev), torch.empty(N, device=dev)
+
+    def host_us(fn):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1e6
+
+    rows = {
+        "public fwd+bwd": lambda: torch.autograd.grad(topk_kd_loss(z, t, m), [z]),
+        "public fwd": lambda: topk_kd_loss(zd, t, m),
+        "reference fwd+bwd (eager)": lambda: torch.autograd.grad(_ref_gathered(z, t, m), [z]),
+        "op fwd (no autograd)": lambda: ops._topk_op(zd, t, m, 1.0, 1, None, 1.0),
+        "launchers fwd+bwd": lambda: kernels.topk_bwd(one, None, zd, t, m, kernels.topk_fwd(zd, t, m, 1.0, 1, None,
+                                                                                             1.0)[2], 1.0),
+        "one reduce launch": lambda: kernels.reduce(tok, None, flags, None, 1, None, 1.0, 0.0, acc),
+        "one topk launch": lambda: kernels._kd_topk_kernel[(N // 64,)](
+            zd, t, m8, tok, flags, None, None, None, None, N, K, 1.0, 1.0, IS_BWD=False, HAS_GT=False,
+            ACC=kernels._tl_dtype(acc), BLOCK_N=64, BLOCK_K=64),
+        "torch.empty x2": lambda: (torch.empty(N, device=dev), torch.empty(N, device=dev)),
+    }
+    for name, fn in rows.items():
+        print(f"host {name:<28} {host_us(fn):8.1f} us/call")
+    print(f"device public fwd+bwd (do_bench) {do_bench(rows['public fwd+bwd'], warmup=25, rep=200) * 1e3:.1f} us")
+
+
+def make_targets_small(N, K, dev):
+    from ..bench.kd import make_targets
+
+    return make_targets(N, K, 4096, dev)
 
 
 if __name__ == "__main__":
