@@ -8,6 +8,13 @@ Device dispatch: the op's default implementation is the Triton launcher. On CPU 
 launcher still runs when ``TRITON_INTERPRET=1`` was set before sparsefuse was imported (that is
 how CI exercises the real kernels without a GPU); otherwise CPU tensors go to the exact PyTorch
 reference registered here as the ``cpu`` kernel.
+
+Eager fast path: going through the dispatcher and ``torch.library``'s Python autograd layer costs
+a few hundred microseconds of host time per training step, which on a GPU is longer than the
+kernels of a small step. So in plain eager mode (no ``torch.compile`` tracing, no dispatch mode,
+plain tensors) the returned op calls the same implementation directly, with the same
+``setup_context`` / ``backward`` wrapped in an ``autograd.Function``. Anything else (compile,
+``opcheck``, fake or functional tensors, functorch transforms) goes through the registered op.
 """
 
 from __future__ import annotations
@@ -46,10 +53,69 @@ def register_op(
     def wrap(launcher: Callable):
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", launcher, mutates_args=tuple(mutates_args))
         op.register_fake(fake)
+        cpu_impl = launcher
         if reference is not None and not INTERPRET:
             op.register_kernel("cpu", reference)
+            cpu_impl = reference
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
-        return op
+        return RegisteredOp(op, launcher, cpu_impl, backward, setup_context)
 
     return wrap
+
+
+class RegisteredOp:
+    """A ``torch.library`` op plus its eager fast path (see the module docstring).
+
+    Calling it runs the op; attribute access falls through to the ``CustomOpDef``.
+    """
+
+    def __init__(self, op, launcher, cpu_impl, backward, setup_context):
+        self.op = op
+        self._launcher = launcher
+        self._cpu_impl = cpu_impl
+        self._function = None
+        if backward is not None:
+            impl = self._impl
+            self._function = type(
+                f"{op._name.split('::')[-1]}_function",
+                (torch.autograd.Function,),
+                {
+                    "forward": staticmethod(lambda *args: impl(args)(*args)),
+                    "setup_context": staticmethod(setup_context),
+                    "backward": staticmethod(backward),
+                },
+            )
+
+    def _impl(self, args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                return self._cpu_impl if a.device.type == "cpu" else self._launcher
+        return self._launcher
+
+    def __call__(self, *args):
+        if not _plain_eager(args):
+            return self.op(*args)
+        if self._function is not None and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        ):
+            return self._function.apply(*args)
+        return self._impl(args)(*args)
+
+    def __getattr__(self, attr):
+        return getattr(self.op, attr)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(args) -> bool:
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and (
+            type(a) not in _PLAIN or a.device.type not in ("cpu", "cuda")
+            or torch._C._functorch.is_functorch_wrapped_tensor(a)
+        ):
+            return False
+    return True

@@ -385,8 +385,9 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
     B, D = resid.shape
     c = 2.0 / max(B * D, 1)
     g = grad_loss.to(resid.dtype)
-    grad_vals = (gv * (g * c)).to(vals.dtype)
-    grad_bias = resid.sum(0) * (g * c)
+    gc = g * c
+    grad_vals = (gv * gc).to(vals.dtype)
+    grad_bias = resid.sum(0).mul_(gc)
     grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=g, const_scale=c)
                    if need_weight_grad else weight.new_empty(0))
     return grad_vals, grad_weight, grad_bias
@@ -424,7 +425,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(acc)
     grad_vals = torch.empty(B, K, device=vals.device, dtype=vals.dtype)
-    grad_bias = etot.sum(0) * (g * c)
+    grad_bias = etot.sum(0).mul_(g * c)
     mode, buf = 0, None
     if need_weight_grad:
         mode = 2 if deterministic else 1
