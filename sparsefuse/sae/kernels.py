@@ -44,9 +44,8 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
 
 
-def _hier_config(K: int, D: int) -> dict:
+def _hier_config(D: int, block_d: int) -> dict:
     """One warp a row: the sweeps are latency-bound, so many small programs beat few wide ones."""
-    block_d = 64 if K < 64 else 128
     return dict(BLOCK_D=min(block_d, max(16, triton.next_power_of_2(max(D, 1)))), num_warps=1)
 
 
@@ -405,7 +404,7 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
         _hierarchical_sae_fwd_kernel[(B,)](
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, row_loss,
             K, D, F, *_weight_strides(weight),
-            HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **_hier_config(K, D),
+            HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **_hier_config(D, 256 if weight.element_size() <= 2 else 128),
         )
     else:
         for t in (etot, row_loss):
@@ -436,7 +435,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, grad_vals,
             K, D, F, *_weight_strides(weight), c,
             HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), BLOCK_K=triton.next_power_of_2(K),
-            **_hier_config(K, D),
+            **_hier_config(D, 256 if mode == 2 else 64),
         )
     else:
         grad_vals.zero_()
