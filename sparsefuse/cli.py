@@ -1,4 +1,4 @@
-"""Command line: ``sparsefuse bench [family ...]``."""
+"""Command line: ``sparsefuse bench [family ...]`` and ``sparsefuse train-sae [options]``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ def main(argv=None) -> int:
     bench.add_argument("--readme", default="README.md", help="README whose bench tables are rewritten")
     bench.add_argument("--render", action="store_true", help="only rebuild tables and plots from saved results")
     bench.set_defaults(func=_bench)
+    train = sub.add_parser("train-sae", help="train a TopK / Hierarchical SAE (default: small synthetic run)")
+    from .sae.train import add_arguments, run_cli
+
+    add_arguments(train)
+    train.set_defaults(func=run_cli)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -2,7 +2,7 @@
 
 import importlib
 
-FAMILIES = ("sae", "vq", "kd")
+FAMILIES = ("sae", "vq", "kd", "sae_train")
 
 
 def family(name: str):

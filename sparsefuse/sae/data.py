@@ -32,7 +32,7 @@ def synthetic_dictionary(d_model: int, n_features: int, seed: int = 0) -> Tensor
 
 
 def synthetic_activations(
-    n: int, d_model: int = 64, n_features: int = 512, mean_active: float = 12.0, noise: float = 0.02,
+    n: int, d_model: int = 32, n_features: int = 256, mean_active: float = 5.0, noise: float = 0.02,
     seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """``(x [n, d_model], G [n_features, d_model])``, both float32, following the module docstring."""
@@ -48,9 +48,9 @@ def synthetic_activations(
     chunk = 8192
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
-        on = torch.rand(m, n_features, generator=g, dtype=torch.float64) < p
-        s = torch.empty(m, n_features, dtype=torch.float64).exponential_(1.0, generator=g)
-        a = (on * s * scale).float()
+        on = torch.rand(m, n_features, generator=g) < p.float()
+        s = torch.empty(m, n_features).exponential_(1.0, generator=g)
+        a = on * s * scale.float()
         x[start:start + m] = a @ G
     signal_std = float(x.std(0).mean()) if n > 1 else 1.0
     x += noise * signal_std * torch.randn(n, d_model, generator=g)

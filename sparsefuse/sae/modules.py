@@ -114,7 +114,7 @@ class TopKSAE(nn.Module):
         self.decoder = decoder
         g = torch.Generator().manual_seed(seed)
         bound = 1 / math.sqrt(d_model)
-        w = (torch.rand(n_latents, d_model, generator=g, dtype=torch.float64) * 2 - 1) * bound
+        w = (torch.rand(n_latents, d_model, generator=g) * 2 - 1) * bound
         w_dec = w / w.norm(dim=1, keepdim=True).clamp_min(1e-12) if normalize_decoder else w.clone()
         kw = dict(device=device, dtype=dtype or torch.float32)
         self.W_enc = nn.Parameter(w.to(**kw))
@@ -160,7 +160,7 @@ class TopKSAE(nn.Module):
         pre = self.pre_acts(x)
         vals, indices = pre.topk(self.k, dim=-1, sorted=True)
         if variance is None:
-            xf = x.detach().float()
+            xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
             variance = (xf - xf.mean(0)).square().mean().clamp_min(1e-30)
         loss_fn = hier_loss if self.hierarchical else topk_loss
         recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x) / variance

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -39,21 +40,21 @@ class TrainConfig:
 
     data: Optional[str] = None  #: activations file (.npy, .pt, .safetensors), [N, D]; None: synthetic
     losses: tuple = ("hierarchical",)  #: which SAEs to train ("topk", "hierarchical"), same data and init
-    k: int = 32
-    n_latents: int = 512
+    k: int = 16
+    n_latents: int = 256
     lr: Optional[float] = None  #: Adam learning rate; default 2e-4 / sqrt(n_latents / 2**14)
-    batch_size: int = 1024  #: global batch (split across processes)
-    steps: int = 1500
+    batch_size: int = 512  #: global batch (split across processes)
+    steps: int = 2000
     device: str = "auto"
     dtype: str = "float32"  #: "bfloat16": bf16 autocast around the forward pass, float32 weights
     seed: int = 0
     auxk_alpha: float = 1 / 32
     dead_tokens: Optional[int] = None  #: default min(10M, steps * batch_size // 5)
     eval_rows: int = 8192  #: held-out rows for the FVU curve (taken from the end of a data file)
-    n_samples: int = 65536  #: synthetic: training rows
-    d_model: int = 64  #: synthetic: width
-    n_features: int = 512  #: synthetic: ground-truth features
-    mean_active: float = 12.0  #: synthetic: mean number of active features per row
+    n_samples: int = 32768  #: synthetic: training rows
+    d_model: int = 32  #: synthetic: width
+    n_features: int = 256  #: synthetic: ground-truth features
+    mean_active: float = 5.0  #: synthetic: mean number of active features per row
     noise: float = 0.02  #: synthetic: noise std relative to the signal's
     out: Optional[str] = "sae_out"  #: output folder (None: write nothing)
     plot: bool = True
@@ -168,7 +169,9 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     net = model
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        with warnings.catch_warnings():  # newer torch renames the flag; the old name keeps working
+            warnings.simplefilter("ignore", FutureWarning)
+            net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     local = cfg.batch_size // world
     g = torch.Generator().manual_seed(cfg.seed + 7)
     order, pos = torch.randperm(train.shape[0], generator=g), 0
@@ -302,7 +305,7 @@ def plot_runs(metrics: dict, path: str, title: Optional[str] = None) -> Optional
     axes[1].set_ylabel("fraction of dead latents")
     axes[1].set_title("dead latents")
     axes[2].set_xlabel("step")
-    axes[2].set_ylabel("training loss (FVU units)")
+    axes[2].set_ylabel("loss / variance (hierarchical: mean over k)")
     axes[2].set_yscale("log")
     axes[2].set_title("reconstruction loss")
     for ax in axes:

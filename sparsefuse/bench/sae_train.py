@@ -1,0 +1,170 @@
+"""``sparsefuse bench sae_train``: one SAE training step, fused decoder against the reference decoder.
+
+A step is what the trainer does per batch without the bookkeeping: encoder, ReLU and top-k,
+decoder loss, backward, removal of the decoder-gradient component parallel to each row, Adam step
+(fused), decoder renormalisation. The module is :class:`sparsefuse.sae.modules.TopKSAE` in bf16
+(weights, optimiser state and activations), AuxK off.
+
+Providers (op = loss kind):
+
+* ``sparsefuse``: the module with the fused decoder ops, eager.
+* ``sparsefuse+compile``: the same, its forward under ``torch.compile`` (the ops are opaque to it).
+* ``torch``: the module with the reference decoder (:mod:`sparsefuse.sae.reference`), eager.
+* ``torch.compile``: the module with the reference decoder, its forward under ``torch.compile``.
+
+Rows ``<loss>-decoder`` time the decoder loss alone (forward + backward, sparsefuse ops, same
+shapes): divided by the ``sparsefuse`` step it gives the decoder's share of the step.
+Default shape: D = 2304, F = 65536, K = 64, B = 4096 (the issue's target: the step at least 2x
+faster than ``torch.compile``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sae.modules import DECODERS, TopKSAE
+from . import harness
+
+FAMILY = "sae_train"
+LOSSES = ("topk", "hierarchical")
+PROVIDERS = {  # name: (decoder, compile)
+    "sparsefuse": ("fused", False),
+    "sparsefuse+compile": ("fused", True),
+    "torch": ("reference", False),
+    "torch.compile": ("reference", True),
+}
+
+
+def make_step(loss, decoder, compiled, B, K, F, D, dtype=torch.bfloat16, device="cuda"):
+    """Build a TopKSAE training step on random activations; returns ``step()`` (no arguments)."""
+    model = TopKSAE(D, F, K, hierarchical=(loss == "hierarchical"), auxk_alpha=0.0, decoder=decoder,
+                    device=device, dtype=dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=(device != "cpu"))
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(B, D, device=device, generator=g).to(dtype)
+    fwd = torch.compile(model, dynamic=False) if compiled else model
+
+    def step():
+        out = fwd(x, 1.0)
+        out.loss.backward()
+        model.remove_parallel_grad_()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.normalize_decoder_()
+        return out.loss
+
+    return step
+
+
+def make_decoder_only(loss, B, K, F, D, dtype=torch.bfloat16, device="cuda"):
+    """The fused decoder loss alone, forward + backward, on the activations of a fresh SAE."""
+    model = TopKSAE(D, F, K, auxk_alpha=0.0, device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(B, D, device=device, generator=g).to(dtype)
+    with torch.no_grad():
+        idx, vals = model.encode(x)
+    vals.requires_grad_()
+    fn = DECODERS["fused"][LOSSES.index(loss)]
+    params = [model.W_dec, vals, model.b_dec]
+    return lambda: torch.autograd.grad(fn(idx, model.W_dec, vals, model.b_dec, x), params)
+
+
+def cases(*, quick=False, losses=("hierarchical", "topk")):
+    """The target comparison (fused eager, compiled reference, decoder alone) first, then the rest."""
+    B, K, F, D = (1024, 32, 8192, 512) if quick else (4096, 64, 65536, 2304)
+    shape = dict(B=B, K=K, F=F, D=D)
+
+    def step_case(loss, provider):
+        decoder, compiled = PROVIDERS[provider]
+        return harness.Case(
+            op=loss, provider=provider, shape=shape, dtype="bf16", mode="full",
+            make=lambda: make_step(loss, decoder, compiled, B, K, F, D),
+            flops=6 * B * D * F,  # encoder forward + both backward matmuls
+        )
+
+    out = []
+    for loss in losses:
+        out += [step_case(loss, "sparsefuse"), step_case(loss, "torch.compile"),
+                harness.Case(op=f"{loss}-decoder", provider="sparsefuse", shape=shape, dtype="bf16", mode="full",
+                             make=lambda loss=loss: make_decoder_only(loss, B, K, F, D))]
+    for loss in losses:
+        out += [step_case(loss, "torch"), step_case(loss, "sparsefuse+compile")]
+    return out
+
+
+def shares(results) -> str:
+    """Markdown lines: the fused step's speed-up over the compiled reference and the decoder's share."""
+    by = {(r.op, r.provider, r.dtype, tuple(sorted(r.shape.items()))): r.ms for r in results}
+    lines = []
+    for (op, provider, dtype, shape), ms in sorted(by.items()):
+        if provider != "sparsefuse" or op not in LOSSES:
+            continue
+        dec = by.get((f"{op}-decoder", "sparsefuse", dtype, shape))
+        base = by.get((op, "torch.compile", dtype, shape))
+        best = min(ms, by.get((op, "sparsefuse+compile", dtype, shape), ms))
+        txt = f"- {op}, {dtype}, " + " ".join(f"{k}={v}" for k, v in shape) + f": step {ms:.2f} ms"
+        if base:
+            txt += f", reference decoder under torch.compile {base:.2f} ms (**{base / best:.2f}×**)"
+        if dec:
+            txt += f"; the fused decoder loss is {dec:.2f} ms, {dec / ms:.0%} of the step"
+        lines.append(txt)
+    return "\n".join(lines)
+
+
+def render(out_dir=harness.RESULTS_DIR, readme="README.md"):
+    results = [r for r in harness.load(FAMILY, out_dir) if r.mode == "full"]
+    if not results:
+        return None
+    steps = [r for r in results if r.op in LOSSES]
+    table = harness.speedup_table(steps, baselines=("torch", "torch.compile"), shape_keys=["B", "K", "F", "D"])
+    text = table + "\n\n" + shares(results)
+    harness.update_readme(FAMILY, text, readme)
+    harness.plot(steps, f"{out_dir}/{FAMILY}.png", title="SAE training step (bf16)", x_key="K")
+    with open(f"{out_dir}/{FAMILY}.md", "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+def check(log=print) -> bool:
+    """No GPU: a few training steps with each decoder on the CPU must give the same weights."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 24)
+    ok = True
+    for loss in LOSSES:
+        weights = []
+        for decoder in ("fused", "reference"):
+            model = TopKSAE(24, 48, 6, hierarchical=(loss == "hierarchical"), decoder=decoder)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            for _ in range(3):
+                model(x).loss.backward()
+                model.remove_parallel_grad_()
+                opt.step()
+                opt.zero_grad()
+                model.normalize_decoder_()
+            weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        err = float((weights[0] - weights[1]).norm() / weights[1].norm())
+        good = err < 1e-4
+        ok &= good
+        log(f"  {loss:<13} 3 training steps, fused vs reference decoder: weights differ by {err:.2e}  "
+            f"{'ok' if good else 'FAILED'}")
+    return ok
+
+
+def main(argv=None) -> int:
+    """``python -m sparsefuse.bench.sae_train --out DIR``: like ``sparsefuse bench sae_train`` but
+    saving after every case, so a run cut short by a time limit keeps what it measured."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--out", default=harness.RESULTS_DIR)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    print(f"== {FAMILY} on {harness.gpu_name()}")
+    for case in cases(quick=a.quick):
+        harness.save(harness.run_cases([case]), FAMILY, a.out)
+    print(render(a.out, readme="") or "no results")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

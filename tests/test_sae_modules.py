@@ -1,0 +1,166 @@
+"""TopKSAE: gradients against the reference decoder, unit-norm decoder, AuxK, save/load, FVU curve."""
+
+import pytest
+import torch
+
+from helpers import DEVICE, TOL, assert_close
+from sparsefuse.sae.modules import TopKSAE
+
+D, F, K, B = 10, 24, 5, 13
+
+
+def _model(hierarchical, decoder="fused", dtype=torch.float64, **kw):
+    return TopKSAE(D, F, K, hierarchical=hierarchical, decoder=decoder, seed=3, **kw).to(DEVICE, dtype)
+
+
+def _x(dtype=torch.float64, rows=B, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, D, generator=g, dtype=torch.float64) + 0.3).to(DEVICE, dtype)
+
+
+def test_encode_sorted_and_relu():
+    m = _model(False)
+    idx, vals = m.encode(_x())
+    assert idx.shape == vals.shape == (B, K)
+    assert (vals[:, :-1] >= vals[:, 1:]).all(), "latents must be sorted by activation, largest first"
+    assert (vals >= 0).all()
+    pre = m.pre_acts(_x())
+    assert torch.equal(pre.gather(1, idx), vals)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_module_gradients_match_reference(hierarchical, dtype):
+    """Loss parts and every parameter gradient of the fused module equal the reference module's."""
+    x = _x(dtype)
+    got, want = _model(hierarchical, "fused", dtype), _model(hierarchical, "reference", torch.float64)
+    for m in (got, want):  # some latents dead, so AuxK contributes too
+        m.tokens_since_fired[::3] = 10**9
+        m.config["dead_tokens"] = 100
+    out_g, out_w = got(x), want(x.double())
+    assert out_w.auxk_loss > 0
+    for name in ("loss", "recon_loss", "auxk_loss"):
+        assert_close(getattr(out_g, name), getattr(out_w, name), dtype, name)
+    out_g.loss.backward()
+    out_w.loss.backward()
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        assert_close(p.grad, q.grad, dtype, f"grad {name}", scale=5)
+
+
+def test_reference_module_matches_dense_math():
+    """The reference module is itself checked against the loss written out densely."""
+    m, x = _model(True, "reference"), _x()
+    out = m(x)
+    pre = torch.relu((x - m.b_dec) @ m.W_enc.T + m.b_enc)
+    vals, idx = pre.topk(K, dim=1)
+    prefix = (vals.unsqueeze(-1) * m.W_dec[idx]).cumsum(1) + m.b_dec - x.unsqueeze(1)
+    var = (x - x.mean(0)).square().mean()
+    assert_close(out.recon_loss, prefix.square().mean() / var, torch.float64, "hierarchical loss")
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
+def test_unit_norm_invariant_after_steps(hierarchical):
+    m = _model(hierarchical, dtype=torch.float32)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for step in range(4):
+        m(_x(torch.float32, seed=step)).loss.backward()
+        m.remove_parallel_grad_()
+        w = m.W_dec.detach() / m.W_dec.detach().norm(dim=1, keepdim=True)
+        parallel = (m.W_dec.grad * w).sum(1)
+        assert parallel.abs().max() <= 1e-6 * m.W_dec.grad.norm(dim=1).max().clamp_min(1e-12)
+        opt.step()
+        opt.zero_grad()
+        m.normalize_decoder_()
+        norms = m.W_dec.detach().norm(dim=1)
+        assert torch.allclose(norms, torch.ones_like(norms), atol=1e-6), f"step {step}: row norms {norms}"
+
+
+def test_auxk_uses_only_dead_latents():
+    m = _model(False, auxk_alpha=1.0, dead_tokens=100)
+    x = _x()
+    out = m(x)
+    assert float(out.auxk_loss) == 0.0, "no dead latent: AuxK must be zero"
+    dead = torch.zeros(F, dtype=torch.bool, device=DEVICE)
+    dead[[1, 4, 7, 11, 20]] = True
+    m.tokens_since_fired[dead] = 1000
+    out = m(x)
+    assert out.auxk_loss > 0
+    out.auxk_loss.backward()
+    touched_dec = m.W_dec.grad.abs().sum(1) > 0
+    touched_enc = m.W_enc.grad.abs().sum(1) > 0
+    assert touched_dec.any() and touched_enc.any()
+    assert not (touched_dec & ~dead).any(), "AuxK moved a decoder row of a live latent"
+    assert not (touched_enc & ~dead).any(), "AuxK moved an encoder row of a live latent"
+
+
+def test_dead_clock():
+    m = _model(False, dead_tokens=50)
+    idx, vals = m.encode(_x())
+    counts = m.fired_counts(idx, vals)
+    assert float(counts.sum()) == float((vals > 0).sum())
+    m.record_firing(counts, 40)
+    m.record_firing(torch.zeros_like(counts), 40)
+    assert torch.equal(m.dead_mask(), torch.ones(F, dtype=torch.bool, device=DEVICE) & (counts == 0))
+
+
+def test_save_load_round_trip(tmp_path):
+    m = _model(True, dtype=torch.float32, auxk_alpha=0.1, dead_tokens=77)
+    m.tokens_since_fired[3] = 5
+    path = str(tmp_path / "sae.safetensors")
+    m.save(path)
+    back = TopKSAE.load(path, device=DEVICE)
+    assert back.config == m.config
+    for (n, a), b in zip(m.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), n
+    x = _x(torch.float32)
+    assert torch.equal(m(x).loss, back(x).loss)
+
+
+def test_load_rejects_foreign_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "other.safetensors")
+    save_file({"w": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="not a sparsefuse TopKSAE checkpoint"):
+        TopKSAE.load(path)
+
+
+def test_fvu_curve():
+    m, x = _model(False), _x(rows=40)
+    curve = m.fvu_curve(x, batch_size=16)
+    assert list(curve) == [1, 2, 4, 5]
+    idx, vals = m.encode(x)
+    recon = m.decode(idx, vals)
+    want = float((x - recon).square().sum() / (x - x.mean(0)).square().sum())
+    assert abs(curve[5] - want) <= 1e-9 * want
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(k=30), "k must be between 1 and n_latents=24"),
+    (dict(k=0), "k must be between 1"),
+    (dict(decoder="triton"), "decoder must be one of"),
+    (dict(k_aux=99), "k_aux must be between 1 and n_latents=24"),
+])
+def test_bad_arguments(kw, msg):
+    args = dict(d_model=D, n_latents=F, k=K) | kw
+    with pytest.raises(ValueError, match=msg):
+        TopKSAE(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
+def test_bf16_autocast_matches_reference_gpu(hierarchical):
+    torch.manual_seed(0)
+    x = torch.randn(512, 256, device="cuda")
+    got = TopKSAE(256, 2048, 32, hierarchical=hierarchical, decoder="fused").cuda()
+    want = TopKSAE(256, 2048, 32, hierarchical=hierarchical, decoder="reference").cuda()
+    outs = []
+    for m in (got, want):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(x)
+        out.loss.backward()
+        outs.append(out)
+    assert_close(outs[0].loss, outs[1].loss, torch.bfloat16, "loss")
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        assert_close(p.grad, q.grad, torch.bfloat16, f"grad {name}", scale=2)
+    assert TOL[torch.bfloat16] > 0
