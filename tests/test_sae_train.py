@@ -112,7 +112,7 @@ def test_synthetic_set_is_seeded_and_recovery_metric():
 
 DDP_CFG = dict(losses=("topk", "hierarchical"), k=2, n_latents=64, batch_size=16, steps=6, n_samples=256,
                eval_rows=32, d_model=8, n_features=12, mean_active=3.0, dead_tokens=16, auxk_alpha=0.5,
-               out=None, progress=False, plot=False)
+               device="cpu", out=None, progress=False, plot=False)
 
 
 def _ddp_worker(rank, world, port, path):

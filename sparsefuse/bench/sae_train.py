@@ -150,6 +150,40 @@ def check(log=print) -> bool:
     return ok
 
 
+def breakdown(B=4096, K=64, F=65536, D=2304, dtype=torch.bfloat16, device="cuda", log=print) -> dict:
+    """Milliseconds of the parts of a fused step, each timed alone (do_bench medians)."""
+    from triton.testing import do_bench
+
+    model = TopKSAE(D, F, K, hierarchical=True, auxk_alpha=0.0, device=device, dtype=dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randn(B, D, device=device).to(dtype)
+    pre = model.pre_acts(x).detach()
+    gvals = torch.randn(B, K, device=device, dtype=dtype)
+
+    def encoder():
+        vals, _ = model.pre_acts(x).topk(K, dim=-1, sorted=True)
+        vals.backward(gvals)
+
+    def optimiser():
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        model.remove_parallel_grad_()
+        opt.step()
+        model.normalize_decoder_()
+
+    parts = {
+        "encoder matmul fwd": lambda: torch.nn.functional.linear(x, model.W_enc, model.b_enc),
+        "top-k over [B, F]": lambda: pre.topk(K, dim=-1, sorted=True),
+        "encoder + top-k, fwd + bwd": encoder,
+        "grad projection + Adam + renorm": optimiser,
+    }
+    out = {}
+    for name, fn in parts.items():
+        out[name] = do_bench(fn, warmup=25, rep=150)
+        log(f"  {name:<34} {out[name]:7.3f} ms")
+    return out
+
+
 def main(argv=None) -> int:
     """``python -m sparsefuse.bench.sae_train --out DIR``: like ``sparsefuse bench sae_train`` but
     saving after every case, so a run cut short by a time limit keeps what it measured."""
@@ -158,8 +192,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--out", default=harness.RESULTS_DIR)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="only time the parts of a fused step")
     a = p.parse_args(argv)
     print(f"== {FAMILY} on {harness.gpu_name()}")
+    if a.breakdown:
+        import json
+        import os
+
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "sae_train_breakdown.json"), "w") as f:
+            json.dump({"gpu": harness.gpu_name(), "ms": breakdown()}, f, indent=1)
+        return 0
     for case in cases(quick=a.quick):
         harness.save(harness.run_cases([case]), FAMILY, a.out)
     print(render(a.out, readme="") or "no results")
