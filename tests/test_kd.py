@@ -294,10 +294,16 @@ def test_opcheck():
     d = make(5, 3, 37, dtype=torch.float32)
     m = d["m"]
     ops = torch.ops.sparsefuse
-    zk = leaf(d["z"][:, :3].contiguous())
+    zk = d["z"][:, :3].contiguous()
+    loss, tok, scale = ops.kd_topk(zk, d["t"], m, 1.5, 1, None, 1.0)
     torch.library.opcheck(ops.kd_topk, (zk, d["t"], m, 1.5, 1, None, 1.0))
-    z = leaf(d["z"])
-    torch.library.opcheck(ops.kd_logits, (z, d["ids"], d["t"], m, 2, 1.5, 2, torch.tensor(3.0, device=DEVICE), 1.0))
+    torch.library.opcheck(ops.kd_topk_bwd, (torch.ones((), device=DEVICE), tok, zk, d["t"], m, scale, 1.5))
+    z = d["z"]
+    args = (z, d["ids"], d["t"], m, 2, 1.5, 2, torch.tensor(3.0, device=DEVICE), 1.0)
+    torch.library.opcheck(ops.kd_logits, args)
+    _, _, scale, lse, A, corr = ops.kd_logits(*args)
+    torch.library.opcheck(ops.kd_logits_bwd, (torch.ones((), device=DEVICE), None, z, d["ids"], m, lse, A, corr, scale,
+                                              2, 1.5))
     h, w = d["h"], d["w"]
     torch.library.opcheck(ops.kd_hidden, (h, w, None, d["ids"], d["t"], m, d["labels"], 1, 1.0, 1, None, 1.0, 0.5,
                                           False, False, False, 4), test_utils=("test_schema", "test_faketensor"))
@@ -329,7 +335,7 @@ def test_index_out_of_range_without_checks_gives_nan():
     try:
         loss = sparsefuse.topk_kd_loss_from_logits(d["z"], ids, d["t"], d["m"])
     finally:
-        sparsefuse.set_index_checks(True)
+        sparsefuse.set_index_checks(None)
     assert torch.isnan(loss)
 
 

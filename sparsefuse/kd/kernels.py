@@ -29,14 +29,19 @@ import triton.language as tl
 
 from .._registry import INTERPRET
 from .._validate import check_index_range, index_checks_enabled
-from ..sae.kernels import weight_grad
 from .reference import IGNORE_INDEX, acc_dtype
 
 # Launch heuristics, in one place. A row kernel streams BLOCK_V logits per iteration.
 _ROW_BLOCK_V, _ROW_WARPS = (64, 1) if INTERPRET else (4096, 8)
 _ROW_MIN_PROGRAMS = 4 if INTERPRET else 4096  # backward: split rows along V until this many programs
 _TOPK_TILE = 512 if INTERPRET else 4096  # gathered kernel: BLOCK_N * BLOCK_K elements
-_HID_BLOCK_H, _HID_WARPS = (32, 1) if INTERPRET else (128, 4)
+_HID_BLOCK_H, _HID_WARPS = (32, 1) if INTERPRET else (128, 2)  # H200 sweep (kd/profile.py): 1.9 ms at N*K = 2^19
+_WG_BLOCK_V = 16 if INTERPRET else 64  # vocab rows per weight-gradient program (fixed: the segments depend on it)
+_WG_CONFIGS = (
+    [triton.Config(dict(BLOCK_E=16, BLOCK_H=16), num_warps=1)] if INTERPRET else
+    [triton.Config(dict(BLOCK_E=e, BLOCK_H=h), num_warps=w, num_stages=s)
+     for e, h, w, s in ((32, 128, 4, 2), (64, 128, 4, 2), (32, 256, 8, 2), (64, 64, 4, 3), (32, 128, 4, 3))]
+)
 _REDUCE_BLOCK = 64 if INTERPRET else 1024
 _SCALE_BLOCK = 1024 if INTERPRET else 8192
 #: Target size of one chunk of logits in the from-hidden path (chunk rows = this / (V * itemsize)).
@@ -382,6 +387,56 @@ def _kd_hidden_topk_kernel(
                 tl.store(gh_ptr + i_n * H + o_h, b_gh.to(gh_ptr.dtype.element_ty), mask=m_h)
 
 
+@triton.autotune(configs=_WG_CONFIGS, key=["H", "K"])
+@triton.jit
+def _kd_weight_grad_kernel(
+    seg_ptr,  # [n_tiles + 1] int64: vocab tile i owns the sorted entries seg[i] .. seg[i + 1] - 1
+    key_ptr,  # [M] int64 sorted vocab ids of the entries
+    order_ptr,  # [M] int64 flat entry ids (n * K + k) in that order
+    g_ptr,  # [N * K] ACC: dL/dz at each slot
+    h_ptr,  # [N, H] hidden states
+    gw_ptr,  # [V, H] out
+    V,
+    H,
+    K,
+    SPLIT: tl.constexpr,  # 16-bit h: feed g to the matrix unit as hi + lo 16-bit parts
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """gw[v] = sum over slots e with id v of g[e] * h[token(e)], for a tile of BLOCK_V vocab rows.
+
+    The tile's slots are contiguous in sorted order. Each step takes BLOCK_E of them: a one-hot
+    [BLOCK_V, BLOCK_E] matrix carrying g times the gathered [BLOCK_E, BLOCK_H] hidden rows, on the
+    matrix unit. Every weight-gradient row is written once (zeros where no slot points), in a fixed
+    order: no atomics, no zero-fill, deterministic.
+    """
+    i_v = tl.program_id(0).to(tl.int64)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < H
+    i_lo = tl.load(seg_ptr + i_v)
+    i_hi = tl.load(seg_ptr + i_v + 1)
+    b_acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=ACC)
+    for i_e in range(i_lo, i_hi, BLOCK_E):
+        o_e = i_e + tl.arange(0, BLOCK_E)
+        m_e = o_e < i_hi
+        b_key = tl.load(key_ptr + o_e, mask=m_e, other=-1)  # [BLOCK_E]
+        b_ent = tl.load(order_ptr + o_e, mask=m_e, other=0)
+        b_g = tl.load(g_ptr + b_ent, mask=m_e, other=0).to(ACC)
+        b_h = tl.load(h_ptr + (b_ent // K)[:, None] * H + o_h[None, :], mask=m_e[:, None] & m_h[None, :], other=0)
+        b_a = tl.where(o_v[:, None] == b_key[None, :], b_g[None, :], 0.0)  # [BLOCK_V, BLOCK_E]
+        if SPLIT:
+            b_hi = b_a.to(b_h.dtype)
+            b_acc = tl.dot(b_hi, b_h, b_acc, out_dtype=ACC)
+            b_acc = tl.dot((b_a - b_hi.to(ACC)).to(b_h.dtype), b_h, b_acc, out_dtype=ACC)
+        else:
+            b_acc = tl.dot(b_a.to(b_h.dtype), b_h, b_acc, input_precision="ieee", out_dtype=ACC)
+    p_out = gw_ptr + o_v[:, None] * H + o_h[None, :]
+    tl.store(p_out, b_acc.to(gw_ptr.dtype.element_ty), mask=(o_v < V)[:, None] & m_h[None, :])
+
+
 @triton.jit
 def _kd_reduce_kernel(
     tok_ptr,  # [N] ACC per-token KD loss (HAS_TOK)
@@ -463,12 +518,12 @@ def _kd_rescale_kernel(
 
 
 def _check_ids(ids, mask, V):
-    if index_checks_enabled():
+    if index_checks_enabled(ids):
         check_index_range("target_token_ids", torch.where(mask != 0, ids, torch.zeros_like(ids)), V)
 
 
 def _check_labels(labels, V):
-    if labels is not None and index_checks_enabled():
+    if labels is not None and index_checks_enabled(labels):
         check_index_range("labels", torch.where(labels != IGNORE_INDEX, labels, torch.zeros_like(labels)), V)
 
 
@@ -584,6 +639,27 @@ def logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize
     return g
 
 
+def lm_weight_grad(ids, mask, g, hidden, V, out_dtype):
+    """[V, H] weight gradient of the gathered logits z[n, k] = <h[n], W[ids[n, k]]>: sum over slots
+    of g[n, k] * h[n] into row ids[n, k]. Masked slots sort past the last vocab tile and are skipped."""
+    N, H = hidden.shape
+    out = torch.empty(V, H, device=hidden.device, dtype=out_dtype)
+    if H == 0:
+        return out
+    n_tiles = triton.cdiv(V, _WG_BLOCK_V)
+    past = n_tiles * _WG_BLOCK_V
+    keys = torch.where(mask != 0, ids.long(), torch.full_like(ids, past, dtype=torch.long)).reshape(-1)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    bounds = torch.arange(0, past + 1, _WG_BLOCK_V, device=keys.device, dtype=torch.long)
+    seg = torch.searchsorted(sorted_keys, bounds)
+    grid = lambda meta: (n_tiles, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+    _kd_weight_grad_kernel[grid](
+        seg, sorted_keys, order, g, hidden, out, V, H, ids.shape[1],
+        SPLIT=hidden.dtype in (torch.float16, torch.bfloat16), ACC=_tl_dtype(acc_dtype(hidden)), BLOCK_V=_WG_BLOCK_V,
+    )
+    return out
+
+
 def chunk_rows(N, V, itemsize, chunk_size=0):
     if chunk_size > 0:
         return max(1, min(N, chunk_size))
@@ -633,10 +709,10 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
         elif need_gh:
             gh.zero_()
         loss, _ = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
-        clean = torch.where(mask != 0, ids, torch.zeros_like(ids))
-        gw = weight_grad(clean, hidden, g, V, weight.dtype) if need_gw else weight.new_empty(0)
+        gw = lm_weight_grad(ids, mask, g, hidden, V, weight.dtype) if need_gw else weight.new_empty(0)
         if need_gb:
-            gb = weight_grad(clean, torch.ones(N, 1, device=dev, dtype=acc), g, V, acc)[:, 0].to(bias.dtype)
+            clean = torch.where(mask != 0, ids, torch.zeros_like(ids)).reshape(-1).long()
+            gb = torch.zeros(V, device=dev, dtype=acc).index_add_(0, clean, g.reshape(-1)).to(bias.dtype)
         else:
             gb = hidden.new_empty(0)
         return loss, tok, gh, gw, gb, applied

@@ -14,6 +14,13 @@ log-softmax over the vocabulary, ``"tail"`` full plus the (K+1)-th bucket
 of every sum and normaliser; a token with no unmasked slot contributes 0 and gets a zero gradient.
 Reductions: ``"sum"``; ``"mean"`` over tokens that have an unmasked slot (counted on the device);
 ``num_items_in_batch`` (int or tensor) divides the sum instead, for gradient accumulation.
+
+Layering: forward and backward are each one registered op (``torch.ops.sparsefuse.kd_*``, with
+fake implementations, so ``torch.compile(fullgraph=True)`` sees them), and a small
+``torch.autograd.Function`` strings them together. Unlike the SAE ops this family does not use
+``register_autograd``: on the H200 host the gathered loss ([8192, 64]) spent ~430 us per
+forward+backward in the custom-op autograd wrapper against ~80 us in the kernels' launchers, and
+that loss is launch-bound.
 """
 
 from __future__ import annotations
@@ -94,28 +101,29 @@ def _topk_bwd_op(grad_loss: Tensor, grad_tok: Optional[Tensor], z: Tensor, t: Te
     return kernels.topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature)
 
 
-def _topk_setup(ctx, inputs, output):
-    z, t, mask, temperature, *_ = inputs
-    _, _, scale = output
-    ctx.mark_non_differentiable(scale)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(z, t, mask, scale)
-    ctx.temperature = temperature
-
-
-def _topk_backward(ctx, grad_loss, grad_tok, _grad_scale):
-    z, t, mask, scale = ctx.saved_tensors
-    if grad_loss is None:
-        grad_loss = scale.new_zeros(())
-    g = _topk_bwd_op(grad_loss, grad_tok, z, t, mask, scale, ctx.temperature)
-    return g, None, None, None, None, None, None
-
-
-@register_op("kd_topk", fake=_topk_fake, reference=reference.kd_topk_fwd, backward=_topk_backward,
-             setup_context=_topk_setup)
+@register_op("kd_topk", fake=_topk_fake, reference=reference.kd_topk_fwd)
 def _topk_op(z: Tensor, t: Tensor, mask: Tensor, temperature: float, reduction: int, num_items: Optional[Tensor],
              num_items_value: float) -> tuple[Tensor, Tensor, Tensor]:
     return kernels.topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value)
+
+
+class _TopKFunction(torch.autograd.Function):
+    """Autograd around the two registered ops (cheaper per call than register_autograd, see module doc)."""
+
+    @staticmethod
+    def forward(ctx, z, t, mask, temperature, reduction, num_items, num_items_value):
+        loss, tok, scale = _topk_op(z, t, mask, temperature, reduction, num_items, num_items_value)
+        ctx.save_for_backward(z, t, mask, scale)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return loss, tok
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_tok):
+        z, t, mask, scale = ctx.saved_tensors
+        if grad_loss is None:
+            grad_loss = scale.new_zeros(())
+        return _topk_bwd_op(grad_loss, grad_tok, z, t, mask, scale, ctx.temperature), None, None, None, None, None, None
 
 
 def topk_kd_loss(
@@ -148,7 +156,7 @@ def topk_kd_loss(
                          f"expected {tuple(target_logprobs.shape)} (the shape of target_logprobs)")
     T = _check_temperature(temperature)
     red, items, items_v = _reduction_args(reduction, num_items_in_batch)
-    loss, tok, _ = _topk_op(student_logits_topk.reshape(t.shape), t, m, T, red, items, items_v)
+    loss, tok = _TopKFunction.apply(student_logits_topk.reshape(t.shape), t, m, T, red, items, items_v)
     return (loss, tok.reshape(lead)) if return_per_token else loss
 
 
@@ -172,29 +180,30 @@ def _logits_bwd_op(grad_loss: Tensor, grad_tok: Optional[Tensor], z: Tensor, ids
     return kernels.logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature)
 
 
-def _logits_setup(ctx, inputs, output):
-    z, ids, t, mask, normalize, temperature, *_ = inputs
-    _, _, scale, lse, A, corr = output
-    ctx.mark_non_differentiable(scale, lse, A, corr)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(z, ids, mask, lse, A, corr, scale)
-    ctx.args = (normalize, temperature)
-
-
-def _logits_backward(ctx, grad_loss, grad_tok, *_):
-    z, ids, mask, lse, A, corr, scale = ctx.saved_tensors
-    if grad_loss is None:
-        grad_loss = scale.new_zeros(())
-    g = _logits_bwd_op(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, *ctx.args)
-    return (g,) + (None,) * 8
-
-
-@register_op("kd_logits", fake=_logits_fake, reference=reference.kd_logits_fwd, backward=_logits_backward,
-             setup_context=_logits_setup)
+@register_op("kd_logits", fake=_logits_fake, reference=reference.kd_logits_fwd)
 def _logits_op(z: Tensor, ids: Tensor, t: Tensor, mask: Tensor, normalize: int, temperature: float, reduction: int,
                num_items: Optional[Tensor], num_items_value: float
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return kernels.logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value)
+
+
+class _LogitsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
+        loss, tok, scale, lse, A, corr = _logits_op(z, ids, t, mask, normalize, temperature, reduction, num_items,
+                                                    num_items_value)
+        ctx.save_for_backward(z, ids, mask, lse, A, corr, scale)
+        ctx.args = (normalize, temperature)
+        ctx.set_materialize_grads(False)
+        return loss, tok
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_tok):
+        z, ids, mask, lse, A, corr, scale = ctx.saved_tensors
+        if grad_loss is None:
+            grad_loss = scale.new_zeros(())
+        g = _logits_bwd_op(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, *ctx.args)
+        return (g,) + (None,) * 8
 
 
 def topk_kd_loss_from_logits(
@@ -228,7 +237,7 @@ def topk_kd_loss_from_logits(
     T = _check_temperature(temperature)
     red, items, items_v = _reduction_args(reduction, num_items_in_batch)
     z = logits.reshape(-1, logits.shape[-1])
-    loss, tok, *_ = _logits_op(z, ids, t, m, mode, T, red, items, items_v)
+    loss, tok = _LogitsFunction.apply(z, ids, t, m, mode, T, red, items, items_v)
     return (loss, tok.reshape(lead)) if return_per_token else loss
 
 
@@ -257,35 +266,37 @@ def _hidden_bwd_op(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, 
     kernels.hidden_bwd(grad_loss, grad_hidden, grad_weight, grad_bias, applied)
 
 
-def _hidden_setup(ctx, inputs, output):
-    _, tok, gh, gw, gb, applied = output
-    ctx.mark_non_differentiable(tok, gh, gw, gb, applied)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(gh, gw, gb, applied)
-
-
-def _hidden_backward(ctx, grad_loss, *_):
-    gh, gw, gb, applied = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    if (need_h and gh.dim() == 1) or (need_w and gw.dim() == 1) or (need_b and gb.numel() == 0):
-        raise RuntimeError("topk_kd_loss_from_hidden: a gradient was not computed in the forward pass "
-                           "(the input did not require grad, or grad mode was off, when the loss was computed)")
-    if grad_loss is None:
-        return (None,) * 17
-    # .data: the rescale mutates the saved gradients without bumping the saved tensors' version,
-    # so a second backward (retain_graph) can still unpack them (the factor in `applied` keeps it exact).
-    _hidden_bwd_op(grad_loss, gh.data, gw.data, gb.data, applied.data)
-    return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 14
-
-
-@register_op("kd_hidden", fake=_hidden_fake, reference=reference.kd_hidden_fwd, backward=_hidden_backward,
-             setup_context=_hidden_setup)
+@register_op("kd_hidden", fake=_hidden_fake, reference=reference.kd_hidden_fwd)
 def _hidden_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, t: Tensor, mask: Tensor,
                labels: Optional[Tensor], normalize: int, temperature: float, reduction: int,
                num_items: Optional[Tensor], num_items_value: float, ce_weight: float, need_gh: bool, need_gw: bool,
                need_gb: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return kernels.hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction,
                               num_items, num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size)
+
+
+class _HiddenFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, *args):
+        loss, tok, gh, gw, gb, applied = _hidden_op(hidden, weight, bias, *args)
+        ctx.mark_non_differentiable(tok)
+        ctx.save_for_backward(gh, gw, gb, applied)
+        ctx.set_materialize_grads(False)
+        return loss, tok
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_tok):
+        gh, gw, gb, applied = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (need_h and gh.dim() == 1) or (need_w and gw.dim() == 1) or (need_b and gb.numel() == 0):
+            raise RuntimeError("topk_kd_loss_from_hidden: a gradient was not computed in the forward pass "
+                               "(the input did not require grad, or grad mode was off, when the loss was computed)")
+        if grad_loss is None:
+            return (None,) * 17
+        # .data: the rescale mutates the saved gradients without bumping the saved tensors' version,
+        # so a second backward (retain_graph) can still unpack them (the factor in `applied` keeps it exact).
+        _hidden_bwd_op(grad_loss, gh.data, gw.data, gb.data, applied.data)
+        return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 14
 
 
 def _needs_grad(t: Optional[Tensor]) -> bool:
@@ -350,7 +361,7 @@ def topk_kd_loss_from_hidden(
     red, items, items_v = _reduction_args(reduction, num_items_in_batch)
     h = hidden.reshape(-1, H)
     w = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
-    loss, tok, *_ = _hidden_op(
+    loss, tok = _HiddenFunction.apply(
         h, w, lm_head_bias, ids, t, m, labels if ce_weight else None, mode, T, red, items, items_v,
         float(ce_weight), _needs_grad(hidden), _needs_grad(lm_head_weight), _needs_grad(lm_head_bias),
         int(chunk_size or 0),

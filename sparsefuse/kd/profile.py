@@ -74,8 +74,8 @@ def topk_stages(h, w, ids, t, m):
     scale = torch.tensor([1.0 / N, 0.0], device=dev)
     m8 = kernels._u8(m)
     for grad in (False, True):
-        for bh in (64, 128, 256):
-            for nw in (2, 4, 8):
+        for bh in (64, 128):
+            for nw in (2,):
                 fn = lambda: kernels._kd_hidden_topk_kernel[(N,)](  # noqa: E731
                     h, w, None, ids, t, m8, tok, flags, g, gh, scale, H, V, K, w.stride(0), 1.0, 1.0,
                     HAS_BIAS=False, NEED_GRAD=grad, NEED_GH=grad, ACC=tl_acc, BLOCK_K=triton.next_power_of_2(K),
@@ -99,7 +99,10 @@ def topk_stages(h, w, ids, t, m):
     ms = do_bench(lambda: torch.sort(clean.reshape(-1), stable=True), warmup=10, rep=50)
     print(f"sort of N*K ids: {ms:.3f} ms")
     ms = do_bench(lambda: sae_kernels.weight_grad(clean, h, g, V, w.dtype), warmup=10, rep=50)
-    print(f"weight_grad (sort + segmented sum): {ms:.3f} ms")
+    print(f"sae weight_grad (sort + segmented sum): {ms:.3f} ms")
+    ms = do_bench(lambda: kernels.lm_weight_grad(ids, m, g, h, V, w.dtype), warmup=10, rep=50)
+    print(f"kd lm_weight_grad (sort + one-hot tiles on the matrix unit): {ms:.3f} ms, "
+          f"config {kernels._kd_weight_grad_kernel.best_config}")
 
 
 def gathered_overhead(N, K, iters=300):
