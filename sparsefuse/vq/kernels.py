@@ -33,10 +33,12 @@ import triton.language as tl
 from .._registry import INTERPRET
 from .._validate import check_index_range
 from . import reference
+from ._launch import cdiv, launch, next_pow2
 
 _MUL1 = tl.constexpr(reference.HASH_MUL1)
 _MUL2 = tl.constexpr(reference.HASH_MUL2)
 _HMASK = tl.constexpr(reference.HASH_MASK)
+_LEVEL_MUL = tl.constexpr(reference.LEVEL_MUL)
 
 # Launch heuristics, in one place.
 _ACC_BLOCK_B, _ACC_WARPS = (16, 4) if INTERPRET else (32, 4)
@@ -48,14 +50,22 @@ _NORM_BLOCK = 64 if INTERPRET else 128
 
 def _apply_block_c(K: int) -> int:
     """Codes per apply program: about 256 programs a level (each also scans the level's [K] scalars)."""
-    return 16 if INTERPRET else max(4, min(32, triton.next_power_of_2(max(K // 256, 1))))
+    return 16 if INTERPRET else max(4, min(32, next_pow2(max(K // 256, 1))))
 
 
 def _block_d(D: int, cap: int) -> int:
-    return max(16, min(triton.next_power_of_2(max(D, 1)), cap))
+    return max(16, min(next_pow2(max(D, 1)), cap))
 
 
 # --- EMA update ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _stats_ptrs(stats_ptr, LK, LKD):
+    """Pointers to the four parts of the flat statistics buffer (see stats_layout)."""
+    n_ptr = stats_ptr + LKD
+    sn_ptr = n_ptr + LK
+    return stats_ptr, n_ptr, sn_ptr, sn_ptr + LK
 
 
 @triton.jit
@@ -74,12 +84,11 @@ def _copy_scratch(cs_ptr, cnt_ptr, sn_ptr, sc_ptr, o_k, m_k, HAS_COUNTERS: tl.co
 def _vq_ema_accumulate_kernel(
     x_ptr,  # [L, B, D] contiguous, storage dtype
     codes_ptr,  # [L, B] int32 | int64
-    s_ptr,  # [L, K, D] fp32, zeroed: batch sums (atomically accumulated)
-    n_ptr,  # [L, K] fp32, zeroed: batch counts
+    stats_ptr,  # flat fp32, zeroed (stats_layout): sums [L, K, D] and counts [L, K] by atomics, then scratch
     cs_ptr,  # [L, K] fp32 cluster_size (read only)
     cnt_ptr,  # [L, K] int counters (read only; HAS_COUNTERS)
-    sn_ptr,  # [L, K] fp32 scratch copy of cluster_size
-    sc_ptr,  # [L, K] fp32 scratch copy of the counters
+    LK,  # L * K
+    LKD,  # L * K * D
     B,
     K,
     D,
@@ -90,6 +99,7 @@ def _vq_ema_accumulate_kernel(
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
+    s_ptr, n_ptr, sn_ptr, sc_ptr = _stats_ptrs(stats_ptr, LK, LKD)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
     m_b = o_b < B
     b_code = tl.load(codes_ptr + i_l * B + o_b, mask=m_b, other=0).to(tl.int64)  # [BLOCK_B]
@@ -116,12 +126,11 @@ def _vq_ema_segment_kernel(
     x_ptr,  # [L, B, D] contiguous, storage dtype
     order_ptr,  # [L, B] int64: row ids of each level sorted by code
     seg_ptr,  # [L, K + 1] int64: code k owns sorted positions seg[k] .. seg[k + 1] - 1
-    s_ptr,  # [L, K, D] fp32 out: batch sums
-    n_ptr,  # [L, K] fp32 out: batch counts
+    stats_ptr,  # flat fp32 out (stats_layout): sums, counts, scratch
     cs_ptr,  # [L, K] fp32 cluster_size (read only)
     cnt_ptr,  # [L, K] int counters (HAS_COUNTERS)
-    sn_ptr,  # [L, K] fp32 scratch copy of cluster_size
-    sc_ptr,  # [L, K] fp32 scratch copy of the counters
+    LK,  # L * K
+    LKD,  # L * K * D
     B,
     K,
     D,
@@ -131,6 +140,7 @@ def _vq_ema_segment_kernel(
     """Deterministic statistics: one program per (code, level), rows summed in sorted order."""
     i_k = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
+    s_ptr, n_ptr, sn_ptr, sc_ptr = _stats_ptrs(stats_ptr, LK, LKD)
     i_start = tl.load(seg_ptr + i_l * (K + 1) + i_k)
     i_end = tl.load(seg_ptr + i_l * (K + 1) + i_k + 1)
     for i_d in range(0, D, BLOCK_D):
@@ -167,12 +177,20 @@ def _feistel(i, k0, k1, k2, k3, half, mask):
 
 
 @triton.jit
-def _restart_rows(i, key_ptr, n, half):
-    """reference.restart_rows: keyed bijection of [0, n) with cycle walking."""
-    k0 = tl.load(key_ptr + 0)
-    k1 = tl.load(key_ptr + 1)
-    k2 = tl.load(key_ptr + 2)
-    k3 = tl.load(key_ptr + 3)
+def _restart_rows(i, key_ptr, w0, w1, w2, w3, i_l, n, half, KEY_WORDS: tl.constexpr):
+    """reference.restart_rows: keyed bijection of [0, n) with cycle walking. The level's keys come
+    from ``key_ptr`` ([L, 4] int64) or, with KEY_WORDS, from reference.expand_words(w0..w3)."""
+    if KEY_WORDS:
+        lev = i_l * _LEVEL_MUL
+        k0 = (w0 ^ lev) & _HMASK
+        k1 = (w1 ^ lev) & _HMASK
+        k2 = (w2 ^ lev) & _HMASK
+        k3 = (w3 ^ lev) & _HMASK
+    else:
+        k0 = tl.load(key_ptr + i_l * 4 + 0)
+        k1 = tl.load(key_ptr + i_l * 4 + 1)
+        k2 = tl.load(key_ptr + i_l * 4 + 2)
+        k3 = tl.load(key_ptr + i_l * 4 + 3)
     mask = (tl.full([], 1, tl.int64) << half) - 1
     v = _feistel(i, k0, k1, k2, k3, half, mask)
     while tl.max((v >= n).to(tl.int32), axis=0) > 0:
@@ -195,20 +213,19 @@ def _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIV
     return b_new, b_cnt_new, m_dead & (B > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["w0", "w1", "w2", "w3"])
 def _vq_ema_apply_kernel(
     x_ptr,  # [L, B, D] contiguous, storage dtype
     cb_ptr,  # [L, K, D] fp32 codebook (in place)
     cs_ptr,  # [L, K] fp32 cluster_size (in place)
     es_ptr,  # [L, K, D] fp32 embed_sum (in place)
     cnt_ptr,  # [L, K] int counters (in place; HAS_COUNTERS)
-    s_ptr,  # [L, K, D] fp32 batch sums
-    n_ptr,  # [L, K] fp32 batch counts
-    sn_ptr,  # [L, K] fp32 scratch: old cluster_size
-    sc_ptr,  # [L, K] fp32 scratch: old counters
-    key_ptr,  # [L, 4] int64 round keys of the restart permutation
+    stats_ptr,  # flat fp32 (stats_layout): batch sums and counts, scratch copies of the old scalars
+    key_ptr,  # [L, 4] int64 round keys of the restart permutation (unless KEY_WORDS)
     cand_ptr,  # [L, K, D] fp32 out: restart rows owned by this rank, zeros elsewhere (DIST)
     dead_ptr,  # [L, K] int8 out: dead flags (DIST)
+    LK,  # L * K
+    LKD,  # L * K * D
     B,
     K,
     D,
@@ -221,15 +238,21 @@ def _vq_ema_apply_kernel(
     rows_total,  # world * B
     row_off,  # rank * B
     half,  # half-width in bits of the Feistel domain
+    w0,  # KEY_WORDS: the four key words (reference.key_words)
+    w1,
+    w2,
+    w3,
     ACTIVE: tl.constexpr,
     HAS_COUNTERS: tl.constexpr,
     DIST: tl.constexpr,
+    KEY_WORDS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SCAN: tl.constexpr,
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
+    s_ptr, n_ptr, sn_ptr, sc_ptr = _stats_ptrs(stats_ptr, LK, LKD)
     i_start = i_c * BLOCK_C
     # level-wide facts from every code's old state: Laplace total and dead codes before this block
     b_tot = tl.zeros([BLOCK_SCAN], dtype=tl.float32)
@@ -272,7 +295,7 @@ def _vq_ema_apply_kernel(
     b_rank = n_before + tl.cumsum(m_dead.to(tl.int32), axis=0) - 1  # [BLOCK_C]
     n_rows = tl.maximum(rows_total, 1)
     b_rank = tl.where(m_dead, b_rank, 0).to(tl.int64) % n_rows
-    b_row = _restart_rows(b_rank, key_ptr + i_l * 4, n_rows, half) - row_off
+    b_row = _restart_rows(b_rank, key_ptr, w0, w1, w2, w3, i_l, n_rows, half, KEY_WORDS) - row_off
     m_own = m_dead & (b_row >= 0) & (b_row < B)
     b_row = tl.where(m_own, b_row, 0)
     if ACTIVE:
@@ -356,58 +379,52 @@ def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=
     has_cnt = counters is not None
     if deterministic:
         stats = torch.empty(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32)
-        s, n, sn, sc = split_stats(stats, L, K, D)
         sorted_codes, order = torch.sort(codes, dim=1, stable=True)
         bounds = torch.arange(K + 1, device=x.device, dtype=sorted_codes.dtype).expand(L, K + 1).contiguous()
         seg = torch.searchsorted(sorted_codes, bounds)
-        _vq_ema_segment_kernel[(K, L)](
-            x, order, seg, s, n, cluster_size, counters, sn, sc, B, K, D,
-            HAS_COUNTERS=has_cnt, BLOCK_D=_block_d(D, _SEG_BLOCK_D), num_warps=2,
-        )
+        launch(_vq_ema_segment_kernel, (K, L),
+               (x, order, seg, stats, cluster_size, counters, L * K, L * K * D, B, K, D),
+               dict(HAS_COUNTERS=has_cnt, BLOCK_D=_block_d(D, _SEG_BLOCK_D)), 2)
         return stats
     stats = torch.zeros(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32)
-    s, n, sn, sc = split_stats(stats, L, K, D)
-    grid = (max(triton.cdiv(B, _ACC_BLOCK_B), 1), L)
-    _vq_ema_accumulate_kernel[grid](
-        x, codes, s, n, cluster_size, counters, sn, sc, B, K, D,
-        HAS_COUNTERS=has_cnt, BLOCK_B=_ACC_BLOCK_B, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK,
-        num_warps=_ACC_WARPS,
-    )
+    launch(_vq_ema_accumulate_kernel, (max(cdiv(B, _ACC_BLOCK_B), 1), L),
+           (x, codes, stats, cluster_size, counters, L * K, L * K * D, B, K, D),
+           dict(HAS_COUNTERS=has_cnt, BLOCK_B=_ACC_BLOCK_B, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK),
+           _ACC_WARPS)
     return stats
 
 
 def ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
               restart_after, active, world, rank):
-    """In-place blend, refresh and restart; returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP
-    (world > 1), else two empty tensors."""
+    """In-place blend, refresh and restart. ``key``: [L, 4] int64 tensor, or the four key words of
+    reference.key_words (the eager path: no key tensor, no launch to draw it). Returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP
+    (world > 1), else (None, None)."""
     L, K, D = codebook.shape
     B = x.shape[1]
     x = x.contiguous()
-    s, n, sn, sc = split_stats(stats, L, K, D)
     dist = world > 1
-    dev = codebook.device
-    cand = torch.empty((L, K, D) if dist else (0,), device=dev, dtype=torch.float32)
-    dead = torch.empty((L, K) if dist else (0,), device=dev, dtype=torch.int8)
+    cand = dead = None
+    if dist:
+        cand = torch.empty((L, K, D), device=codebook.device, dtype=torch.float32)
+        dead = torch.empty((L, K), device=codebook.device, dtype=torch.int8)
     rows_total = world * B
+    key_words = not isinstance(key, torch.Tensor)
+    words, key = (key, None) if key_words else ((0, 0, 0, 0), key)
     block_c = _apply_block_c(K)
-    grid = (triton.cdiv(K, block_c), L)
-    _vq_ema_apply_kernel[grid](
-        x, codebook, cluster_size, embed_sum, counters, s, n, sn, sc, key.contiguous(), cand, dead,
-        B, K, D, float(decay), float(1 - decay), float(eps), float(threshold), float(reset), int(restart_after),
-        rows_total, rank * B, reference._half_bits(max(rows_total, 1)),
-        ACTIVE=bool(active), HAS_COUNTERS=counters is not None, DIST=dist,
-        BLOCK_C=block_c, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK, num_warps=_APPLY_WARPS,
-    )
+    launch(_vq_ema_apply_kernel, (cdiv(K, block_c), L),
+           (x, codebook, cluster_size, embed_sum, counters, stats, key, cand, dead, L * K, L * K * D, B, K, D,
+            float(decay), float(1 - decay), float(eps), float(threshold), float(reset), int(restart_after),
+            rows_total, rank * B, reference._half_bits(max(rows_total, 1)), *words),
+           dict(ACTIVE=bool(active), HAS_COUNTERS=counters is not None, DIST=dist, KEY_WORDS=key_words, BLOCK_C=block_c,
+                BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK), _APPLY_WARPS)
     return cand, dead
 
 
 def ema_restart(codebook, embed_sum, cand, dead, reset):
     L, K, D = codebook.shape
     block_c = _apply_block_c(K)
-    _vq_ema_restart_kernel[(triton.cdiv(K, block_c), L)](
-        codebook, embed_sum, cand.contiguous(), dead.contiguous(), K, D, float(reset),
-        BLOCK_C=block_c, BLOCK_D=_block_d(D, 128), num_warps=_APPLY_WARPS,
-    )
+    launch(_vq_ema_restart_kernel, (cdiv(K, block_c), L), (codebook, embed_sum, cand.contiguous(), dead.contiguous(), K, D,
+           float(reset)), dict(BLOCK_C=block_c, BLOCK_D=_block_d(D, 128)), _APPLY_WARPS)
 
 
 # --- nearest-code search ------------------------------------------------------------------------------
@@ -457,7 +474,7 @@ def _nearest_code_fwd_kernel(
     stride_xb,
     stride_ck,
     COSINE: tl.constexpr,
-    PRECISION: tl.constexpr,  # "ieee" | "tf32" | "tf32x3" (fp32 inputs; 16-bit inputs use native dot)
+    PRECISION: tl.constexpr,  # "tf32x3" | "ieee" | "tf32" for fp32 inputs; None: native 16-bit dot
     DOT_DTYPE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -468,6 +485,11 @@ def _nearest_code_fwd_kernel(
     b_best = tl.full([BLOCK_B], float("inf"), dtype=tl.float32)
     b_arg = tl.zeros([BLOCK_B], dtype=tl.int64)
     b_xx = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        b_x = tl.load(x_ptr + o_b[:, None] * stride_xb + o_d[None, :], mask=m_b[:, None] & (o_d < D)[None, :],
+                      other=0).to(DOT_DTYPE).to(tl.float32)  # [BLOCK_B, BLOCK_D]
+        b_xx += tl.sum(b_x * b_x, axis=1)
     for i_k in range(0, K, BLOCK_K):
         o_k = i_k + tl.arange(0, BLOCK_K)
         m_k = o_k < K
@@ -480,9 +502,6 @@ def _nearest_code_fwd_kernel(
             b_c = tl.load(c_ptr + o_k[:, None] * stride_ck + o_d[None, :], mask=m_k[:, None] & m_d[None, :],
                           other=0).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_D]
             b_dot = tl.dot(b_x, tl.trans(b_c), b_dot, input_precision=PRECISION)
-            if i_k == 0:
-                b_xf = b_x.to(tl.float32)
-                b_xx += tl.sum(b_xf * b_xf, axis=1)
         b_cc = tl.load(cc_ptr + o_k, mask=m_k, other=1.0)  # [BLOCK_K]
         if COSINE:
             b_score = -b_dot / tl.sqrt(tl.maximum(b_cc, 1e-24))[None, :]
@@ -510,7 +529,7 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 
 
 def nearest_code(x, codebook, cosine, precision):
-    """(codes [B] int64, dist [B] fp32). ``precision``: "exact" | "tf32x3" | "fast"."""
+    """(codes [B] int64, dist [B] fp32). ``precision``: "exact" (3xTF32) | "ieee" | "fast" (TF32)."""
     B, D = x.shape
     K = codebook.shape[0]
     dev = x.device
@@ -521,11 +540,11 @@ def nearest_code(x, codebook, cosine, precision):
     if B == 0:
         return codes, dist
     cc = torch.empty(K, device=dev, dtype=torch.float32)
-    _row_sqnorm_kernel[(triton.cdiv(K, _NORM_BLOCK),)](
-        codebook, cc, K, D, codebook.stride(0), BLOCK_K=_NORM_BLOCK, BLOCK_D=_block_d(D, 64))
+    launch(_row_sqnorm_kernel, (cdiv(K, _NORM_BLOCK),), (codebook, cc, K, D, codebook.stride(0)),
+           dict(BLOCK_K=_NORM_BLOCK, BLOCK_D=_block_d(D, 64)), 4)
     dot_dtype = torch.promote_types(x.dtype, codebook.dtype)
     if dot_dtype == torch.float32:
-        prec = {"exact": "ieee", "tf32x3": "tf32x3", "fast": "tf32"}[precision]
+        prec = {"exact": "tf32x3", "ieee": "ieee", "fast": "tf32"}[precision]
     else:
         prec = None  # 16-bit dots: products are exact in fp32 and sums are fp32
     kernel = _nearest_code_fma if prec == "ieee" else _nearest_code_tc
@@ -535,3 +554,94 @@ def nearest_code(x, codebook, cosine, precision):
         COSINE=bool(cosine), PRECISION=prec, DOT_DTYPE=_DOT_DTYPES[dot_dtype],
     )
     return codes, dist
+
+
+# --- straight-through quantisation with the commitment loss -----------------------------------------------
+
+
+@triton.jit
+def _vq_quantize_kernel(
+    x_ptr,  # [B, D] contiguous
+    codes_ptr,  # [B] int64
+    cb_ptr,  # [K, D] contiguous
+    out_ptr,  # [B, D] x dtype: codebook[codes], written (FWD) or read back (BWD)
+    loss_ptr,  # [B] ACC (FWD): sum_d (x - q)^2
+    gout_ptr,  # [B, D] incoming gradient of out (BWD; HAS_GOUT)
+    gloss_ptr,  # [] incoming gradient of the loss (BWD)
+    gx_ptr,  # [B, D] x dtype (BWD): gout + scale * gloss * (x - q)
+    B,
+    D,
+    scale,
+    FWD: tl.constexpr,
+    HAS_GOUT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    o_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    if FWD:
+        b_code = tl.load(codes_ptr + o_b, mask=m_b, other=0)  # [BLOCK_B]
+    b_loss = tl.zeros([BLOCK_B], dtype=ACC)
+    if not FWD:
+        b_gl = tl.load(gloss_ptr).to(ACC) * scale
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m = m_b[:, None] & (o_d < D)[None, :]
+        p = o_b[:, None] * D + o_d[None, :]  # [BLOCK_B, BLOCK_D]
+        if FWD:
+            b_q = tl.load(cb_ptr + b_code[:, None] * D + o_d[None, :], mask=m, other=0).to(ACC)
+        else:
+            b_q = tl.load(out_ptr + p, mask=m, other=0).to(ACC)
+        b_diff = tl.load(x_ptr + p, mask=m, other=0).to(ACC) - b_q
+        if FWD:
+            tl.store(out_ptr + p, b_q.to(out_ptr.dtype.element_ty), mask=m)
+            b_loss += tl.sum(b_diff * b_diff, axis=1)
+        else:
+            b_g = b_diff * b_gl
+            if HAS_GOUT:
+                b_g += tl.load(gout_ptr + p, mask=m, other=0).to(ACC)
+            tl.store(gx_ptr + p, b_g.to(gx_ptr.dtype.element_ty), mask=m)
+    if FWD:
+        tl.store(loss_ptr + o_b, b_loss, mask=m_b)
+
+
+_Q_BLOCK_B, _Q_BLOCK_D = (16, 32) if INTERPRET else (16, 128)
+
+
+def _acc_tl(*ts):
+    return tl.float64 if any(t.dtype == torch.float64 for t in ts) else tl.float32
+
+
+def quantize_fwd(x, codes, codebook, beta):
+    """(out [B, D] = codebook[codes] in x's dtype, loss [] = beta * mean((x - out)^2) in ACC)."""
+    B, D = x.shape
+    acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    out = torch.empty(B, D, device=x.device, dtype=x.dtype)
+    rows = torch.empty(B, device=x.device, dtype=acc)
+    if B and D:
+        launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
+               (x.contiguous(), codes.contiguous(), codebook.contiguous(), out, rows, None, None, None, B, D, 1.0),
+               dict(FWD=True, HAS_GOUT=False, ACC=_acc_tl(x, codebook), BLOCK_B=_Q_BLOCK_B,
+                    BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+    else:
+        out.zero_()
+        rows.zero_()
+    return out, rows.sum() * (beta / max(B * D, 1))
+
+
+def quantize_bwd(grad_out, grad_loss, x, q, beta):
+    """grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - q), q the forward's output (the codebook
+    may have been updated in place since); grad_out may be None."""
+    B, D = x.shape
+    gx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if B and D:
+        launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
+               (x.contiguous(), None, None, q.contiguous(), None,
+                None if grad_out is None else grad_out.contiguous(), grad_loss.contiguous(), gx, B, D,
+                2.0 * beta / max(B * D, 1)),
+               dict(FWD=False, HAS_GOUT=grad_out is not None, ACC=_acc_tl(x, q), BLOCK_B=_Q_BLOCK_B,
+                    BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+    else:
+        gx.zero_()
+    return gx

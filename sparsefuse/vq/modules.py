@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import batch_statistics, nearest_code, vq_ema_update
+from .ops import batch_statistics, nearest_code, quantize, vq_ema_update
 
 
 def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group):
@@ -118,9 +118,7 @@ class VectorQuantizer(nn.Module):
         if self.training and not self._initted:
             self.kmeans_init_(flat)
         codes, _ = nearest_code(flat.detach(), self.codebook, cosine=self.cosine, precision=self.precision)
-        q = F.embedding(codes, self.codebook)
-        loss = self.commitment_weight * (flat.float() - q).square().mean()
-        out = flat + (q.to(flat.dtype) - flat).detach()
+        out, loss = quantize(flat, codes, self.codebook, self.commitment_weight)
         if self.training:
             vq_ema_update(flat.detach(), codes, self.codebook, self.cluster_size, self.embed_sum,
                           self.steps_since_active, _check_codes=False, **self._update_kwargs())

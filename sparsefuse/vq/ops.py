@@ -25,7 +25,7 @@ from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_ten
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
-PRECISIONS = ("exact", "tf32x3", "fast")
+PRECISIONS = ("exact", "ieee", "fast")
 _COUNTER_EXACT = 1 << 24
 
 
@@ -88,8 +88,11 @@ def _apply_op(
     key: Tensor, decay: float, eps: float, threshold: float, reset: float, restart_after: int, active: bool,
     world: int, rank: int,
 ) -> tuple[Tensor, Tensor]:
-    return kernels.ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold,
-                             reset, restart_after, active, world, rank)
+    cand, dead = kernels.ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold,
+                                   reset, restart_after, active, world, rank)
+    if cand is None:
+        cand, dead = codebook.new_empty(0, dtype=torch.float32), codebook.new_empty(0, dtype=torch.int8)
+    return cand, dead
 
 
 def _restart_fake(codebook, embed_sum, cand, dead, reset):
@@ -175,8 +178,12 @@ def vq_ema_update(
     dev = codebook.device
     reset = 0.0 if active else float(threshold if reset_cluster_size is None else reset_cluster_size)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
-    key = reference.draw_key(L, dev, generator)
     world, rank = 1, 0
+    key = None
+    if process_group is None and not torch.compiler.is_compiling():
+        key = reference.key_words(dev, generator)  # eager CUDA: the keys travel as four kernel integers
+    if key is None:
+        key = reference.draw_key(L, dev, generator)
     if process_group is not None:
         import torch.distributed as dist
 
@@ -244,10 +251,13 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
         x: ``[B, D]`` rows (float16, bfloat16, float32, float64).
         codebook: ``[K, D]``.
         cosine: pick the code of largest cosine similarity instead of smallest Euclidean distance.
-        precision: for float32 inputs, ``"exact"`` (IEEE fp32 products and sums), ``"tf32x3"``
-            (tensor cores, three TF32 products per fp32 product: fp32-level error) or ``"fast"``
-            (one TF32 product). 16-bit inputs always use their native tensor-core dot, whose products
-            are exact in fp32; mixed dtypes compute in the promoted dtype; float64 runs the reference.
+        precision: for float32 inputs, ``"exact"`` (default: fp32-accurate dot products on tensor
+            cores, each fp32 operand split into two TF32 parts and three TF32 products summed in fp32;
+            the error is at the level of fp32 rounding, like any fp32 summation order), ``"ieee"``
+            (strict IEEE fp32 fused multiply-adds on the CUDA cores; slower) or ``"fast"`` (one TF32
+            product: about 3 significant digits). 16-bit inputs always use their native tensor-core
+            dot, whose products are exact in fp32 and sums fp32; mixed dtypes compute in the promoted
+            dtype; float64 runs the reference.
 
     Returns:
         ``codes [B]`` int64, ties to the lowest index; ``dist [B]`` float32 (float64 for float64
@@ -262,3 +272,55 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     return _run(_search_op, _search_kernel, _search_reference, x.device, x, codebook, bool(cosine), precision)
+
+
+# --- straight-through quantisation + commitment loss ---------------------------------------------------------
+
+
+def _quantize_fake(x, codes, codebook, beta):
+    acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    return torch.empty_like(x), x.new_empty((), dtype=acc)
+
+
+def _quantize_bwd_fake(grad_out, grad_loss, x, q, beta):
+    return torch.empty_like(x)
+
+
+@register_op("vq_quantize_bwd", fake=_quantize_bwd_fake, reference=reference.quantize_bwd)
+def _quantize_bwd_op(grad_out: Optional[Tensor], grad_loss: Tensor, x: Tensor, q: Tensor, beta: float) -> Tensor:
+    return kernels.quantize_bwd(grad_out, grad_loss, x, q, beta)
+
+
+def _quantize_setup(ctx, inputs, output):
+    x, codes, codebook, beta = inputs
+    out, _ = output
+    ctx.save_for_backward(x, out)  # not the codebook: the EMA update rewrites it in place before backward
+    ctx.beta = beta
+
+
+def _quantize_backward(ctx, grad_out, grad_loss):
+    x, out = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = x.new_zeros((), dtype=torch.float32)
+    return _quantize_bwd_op(grad_out, grad_loss, x, out, ctx.beta), None, None, None
+
+
+@register_op("vq_quantize", fake=_quantize_fake, reference=reference.quantize_fwd,
+             backward=_quantize_backward, setup_context=_quantize_setup)
+def _quantize_op(x: Tensor, codes: Tensor, codebook: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    return kernels.quantize_fwd(x, codes, codebook, beta)
+
+
+def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Straight-through quantisation fused with the commitment loss.
+
+    Returns ``out = codebook[codes]`` (``[B, D]`` in x's dtype) whose gradient flows to ``x``
+    unchanged, and ``loss = beta * mean((x - sg(out))^2)`` (float32; float64 for float64 inputs).
+    One kernel forward (gather + squared error), one backward
+    (``grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - out)``); the codebook gets no gradient.
+    ``codes`` must be valid (they come from :func:`nearest_code`).
+    """
+    check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
+    check_tensor("x", x, shape=(None, codebook.shape[1]), dtypes=FLOAT_DTYPES, device=codebook.device)
+    check_tensor("codes", codes, shape=(x.shape[0],), dtypes=(torch.int64,), device=codebook.device)
+    return _quantize_op(x, codes, codebook.detach(), float(beta))

@@ -80,8 +80,35 @@ def restart_rows(key: torch.Tensor, i: torch.Tensor, n: int) -> torch.Tensor:
     return v
 
 
+LEVEL_MUL = 0x1B873593
+
+
+def key_words(device, generator=None):
+    """Four round-key words from a CUDA generator's Philox state, read and advanced on the host the
+    way PyTorch's own random kernels consume it (no device work); None on CPU, while a CUDA graph is
+    being captured, or under ``torch.compile`` (then :func:`draw_key` draws them on the device)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    gen = generator if generator is not None else torch.cuda.default_generators[
+        device.index if device.index is not None else torch.cuda.current_device()]
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    gen.set_offset(offset + 4)
+    return tuple((seed * HASH_MUL1 + (seed >> 31) * HASH_MUL2 + offset * LEVEL_MUL + j * 0x7FEB352D) % HASH_MASK
+                 for j in range(4))
+
+
+def expand_words(words, levels: int, device) -> torch.Tensor:
+    """[L, 4] round keys from four words: key[l, j] = words[j] xor (l * LEVEL_MUL), masked to 31 bits."""
+    lev = torch.arange(levels, dtype=torch.int64)[:, None] * LEVEL_MUL
+    return ((torch.tensor(words, dtype=torch.int64)[None, :] ^ lev) & HASH_MASK).to(device)
+
+
 def draw_key(levels: int, device, generator=None) -> torch.Tensor:
-    """[L, 4] int64 round keys in [0, 2^31 - 1), drawn on ``device`` from ``generator``."""
+    """[L, 4] int64 round keys in [0, 2^31 - 1) from ``generator`` (see :func:`key_words`)."""
+    words = key_words(device, generator)
+    if words is not None:
+        return expand_words(words, levels, device)
     return torch.randint(0, HASH_MASK, (levels, 4), device=device, dtype=torch.int64, generator=generator)
 
 
@@ -232,12 +259,39 @@ def nearest_code(x, codebook, cosine=False):
     return codes, dist
 
 
-def nearest_code_exact(x, codebook, cosine=False):
-    """Float64 brute force on the direct differences ||x - c||^2 (the test oracle)."""
+def sqdist_matrix(x, codebook, cosine=False):
+    """[B, K] float64 squared distances (between unit vectors with ``cosine``): the test oracle."""
     xf, cf = x.double(), codebook.double()
     if cosine:
         xf = xf / xf.norm(dim=1, keepdim=True).clamp_min(1e-12)
         cf = cf / cf.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    d = (xf[:, None, :] - cf[None, :, :]).square().sum(-1)
+    return ((xf * xf).sum(1, keepdim=True) - 2 * (xf @ cf.T) + (cf * cf).sum(1)).clamp_min(0)
+
+
+def nearest_code_exact(x, codebook, cosine=False):
+    """Float64 brute force (the test oracle): (codes [B], squared distances [B])."""
+    d = sqdist_matrix(x, codebook, cosine)
     codes = d.argmin(1)
     return codes, d.gather(1, codes[:, None])[:, 0]
+
+
+def quantize(x, codes, codebook, beta):
+    """Straight-through quantisation: (out = codebook[codes] with d out / d x = identity,
+    loss = beta * mean((x - sg(out))^2)), differentiable in x by autograd."""
+    q = codebook[codes].to(x.dtype).detach()
+    return x + (q - x).detach(), beta * (x - q).square().mean()
+
+
+def quantize_fwd(x, codes, codebook, beta):
+    dt = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    q = codebook[codes]
+    loss = (x.to(dt) - q.to(dt)).square().sum() * (beta / max(x.numel(), 1))
+    return q.to(x.dtype), loss
+
+
+def quantize_bwd(grad_out, grad_loss, x, q, beta):
+    dt = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
+    g = (x.to(dt) - q.to(dt)) * (grad_loss.to(dt) * (2.0 * beta / max(x.numel(), 1)))
+    if grad_out is not None:
+        g = g + grad_out.to(dt)
+    return g.to(x.dtype)

@@ -1,0 +1,72 @@
+"""Low-overhead launches for the small per-step kernels of the EMA update.
+
+``kernel[grid](...)`` re-derives Triton's specialisation of every argument on each call; for the
+EMA kernels (about 25 arguments, microseconds of device work at small shapes) that host work was
+most of an update's time (about 45 us a launch on an H200 host). :func:`launch` keys a cache of
+compiled kernels by exactly what Triton specialises on (pointer dtype and 16-byte alignment; for an
+integer, whether it is 1, divisible by 16, and fits in 32 bits, or only the last for parameters
+marked ``do_not_specialize``; None; constexpr values; device), so
+a cached kernel is only reused where Triton would have picked the same one, and launched the way
+``JITFunction.run`` launches it (same stream, metadata and hooks). The interpreter takes the
+ordinary path.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+from .._registry import INTERPRET
+
+try:
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+except ImportError:  # CPU-only builds: never reached (launch() takes the ordinary path on CPU)
+    def _current_stream(idx):
+        return torch.cuda.current_stream(idx).cuda_stream
+
+_CACHE: dict = {}
+_NOSPEC: dict = {}
+_I32 = 2**31
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if a is None or isinstance(a, bool):
+        return a
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -_I32 <= a < _I32
+    if isinstance(a, float):
+        return float
+    return a
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def launch(fn, grid, args, meta, num_warps):
+    """``fn[grid](*args, **meta, num_warps=num_warps)``; ``meta`` holds the constexpr arguments, which
+    follow ``args`` in the kernel's signature."""
+    if INTERPRET or not args[0].is_cuda:
+        fn[grid](*args, **meta, num_warps=num_warps)
+        return
+    nospec = _NOSPEC.get(fn)
+    if nospec is None:
+        nospec = _NOSPEC[fn] = frozenset(i for i, p in enumerate(fn.params) if p.do_not_specialize)
+    dev = torch.cuda.current_device()
+    key = (fn, dev, num_warps, tuple(meta.items()),
+           tuple((-_I32 <= a < _I32) if i in nospec else _arg_key(a) for i, a in enumerate(args)))
+    kernel = _CACHE.get(key)
+    if kernel is None:
+        _CACHE[key] = fn[grid](*args, **meta, num_warps=num_warps)
+        return
+    all_args = (*args, *(meta[name] for name in fn.arg_names[len(args):]))
+    stream = _current_stream(dev)
+    rt = knobs.runtime
+    kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
+               kernel.launch_metadata(grid, stream, *all_args), rt.launch_enter_hook, rt.launch_exit_hook, *all_args)
