@@ -323,4 +323,25 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("x", x, shape=(None, codebook.shape[1]), dtypes=FLOAT_DTYPES, device=codebook.device)
     check_tensor("codes", codes, shape=(x.shape[0],), dtypes=(torch.int64,), device=codebook.device)
-    return _quantize_op(x, codes, codebook.detach(), float(beta))
+    if torch.compiler.is_compiling():
+        return _quantize_op(x, codes, codebook.detach(), float(beta))
+    return _Quantize.apply(x, codes, codebook.detach(), float(beta))
+
+
+class _Quantize(torch.autograd.Function):
+    """Eager path of ``vq_quantize``: the same launchers without the custom-op autograd wrapper,
+    whose host cost exceeded the two kernels' device time."""
+
+    @staticmethod
+    def forward(ctx, x, codes, codebook, beta):
+        impl = kernels.quantize_fwd if (x.is_cuda or INTERPRET) else reference.quantize_fwd
+        out, loss = impl(x, codes, codebook, beta)
+        ctx.save_for_backward(x, out)
+        ctx.beta = beta
+        return out, loss
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_loss):
+        x, out = ctx.saved_tensors
+        impl = kernels.quantize_bwd if (x.is_cuda or INTERPRET) else reference.quantize_bwd
+        return impl(grad_out, grad_loss, x, out, ctx.beta), None, None, None
