@@ -13,6 +13,8 @@ ordinary path.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton import knobs
 
@@ -26,6 +28,8 @@ except ImportError:  # CPU-only builds: never reached (launch() takes the ordina
 
 _CACHE: dict = {}
 _NOSPEC: dict = {}
+#: ``SPARSEFUSE_FAST_LAUNCH=0`` sends every launch through ``kernel[grid](...)``.
+FAST = os.environ.get("SPARSEFUSE_FAST_LAUNCH", "1") != "0"
 _I32 = 2**31
 
 
@@ -52,7 +56,7 @@ def next_pow2(n: int) -> int:
 def launch(fn, grid, args, meta, num_warps):
     """``fn[grid](*args, **meta, num_warps=num_warps)``; ``meta`` holds the constexpr arguments, which
     follow ``args`` in the kernel's signature."""
-    if INTERPRET or not args[0].is_cuda:
+    if INTERPRET or not FAST or not args[0].is_cuda:
         fn[grid](*args, **meta, num_warps=num_warps)
         return
     nospec = _NOSPEC.get(fn)
