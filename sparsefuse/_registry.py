@@ -110,12 +110,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plain_eager(args) -> bool:
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    """Cheap (it runs on every call): no tracing, no dispatch mode, no functorch transform, and
+    every tensor argument a plain CPU or CUDA tensor."""
+    if torch.compiler.is_compiling():  # first: Dynamo must not trace the checks below
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     for a in args:
-        if isinstance(a, torch.Tensor) and (
-            type(a) not in _PLAIN or a.device.type not in ("cpu", "cuda")
-            or torch._C._functorch.is_functorch_wrapped_tensor(a)
-        ):
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or not (a.is_cuda or a.is_cpu)):
             return False
     return True

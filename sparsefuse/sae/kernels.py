@@ -22,6 +22,8 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -313,6 +315,12 @@ def decode_fwd(indices, vals, weight, bias):
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """0 .. n-1, cached: it is the same every step (one launch and one allocation fewer)."""
+    return torch.arange(n, device=device, dtype=dtype)
+
+
 def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None, const_scale=1.0,
                 row_per_entry=False):
     """Segmented sum: out[f] = const_scale * scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
@@ -328,7 +336,7 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
         return out
     keys = indices.reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
-    seg = torch.searchsorted(sorted_keys, torch.arange(num_features + 1, device=keys.device, dtype=keys.dtype))
+    seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
     grid = (num_features, triton.cdiv(D, _SEG_BLOCK_D))
     _sae_weight_grad_kernel[grid](
         seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,

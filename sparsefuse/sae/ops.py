@@ -122,11 +122,14 @@ def _topk_setup(ctx, inputs, output):
     indices, weight, vals, bias, target = inputs
     _, resid, gv = output
     ctx.mark_non_differentiable(resid, gv)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the auxiliary outputs
     ctx.save_for_backward(indices, vals, weight, resid, gv)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _topk_backward(ctx, grad_loss, _grad_resid, _grad_gv):
+    if grad_loss is None:  # gradients are not materialised: nothing flows into the loss
+        return None, None, None, None, None
     indices, vals, weight, resid, gv = ctx.saved_tensors
     _, need_weight, need_vals, need_bias, _ = ctx.needs_input_grad
     gvals, gw, gb = _topk_bwd_op(grad_loss, indices, vals, weight, resid, gv, need_weight)
@@ -194,12 +197,15 @@ def _hier_setup(ctx, inputs, output):
     indices, weight, vals, bias, target, deterministic = inputs
     _, etot = output
     ctx.mark_non_differentiable(etot)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(indices, weight, vals, bias, target, etot)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.deterministic = deterministic
 
 
 def _hier_backward(ctx, grad_loss, _grad_etot):
+    if grad_loss is None:  # gradients are not materialised: nothing flows into the loss
+        return None, None, None, None, None, None
     indices, weight, vals, bias, target, etot = ctx.saved_tensors
     _, need_weight, need_vals, need_bias, _, _ = ctx.needs_input_grad
     gvals, gw, gb = _hier_bwd_op(grad_loss, indices, weight, vals, bias, target, etot, need_weight,
