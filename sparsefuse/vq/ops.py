@@ -5,6 +5,8 @@
   ``vq_ema_apply`` (blend, refresh, counters, restart) with, under DDP, an all-reduce between them
   and ``vq_ema_restart`` after a second one.
 * :func:`nearest_code`: fused distance + argmin search, ``nearest_code`` op.
+* :func:`quantize`: straight-through estimator fused with the commitment loss, ``vq_quantize`` op
+  (eager: an ``autograd.Function`` over the same launchers).
 
 In eager mode the public functions call the launchers directly instead of going through the
 dispatcher: the update is not differentiable and a registered op costs tens of microseconds of host
