@@ -11,7 +11,7 @@ import sparsefuse
 from sparsefuse import compat
 from sparsefuse.kd import reference as ref
 
-from helpers import DEVICE, TOL, assert_close
+from helpers import DEVICE, assert_close
 
 NORMS = ["topk", "full", "tail"]
 
@@ -418,3 +418,19 @@ def test_gpu_compile_and_hidden_equals_logits():
     h2, w2 = leaf(d["h"]), leaf(d["w"])
     b = grads(sparsefuse.topk_kd_loss_from_logits(h2 @ w2.t(), d["ids"], d["t"], d["m"], normalize="tail"), [h2, w2])
     compare(a, b, torch.bfloat16, ["loss", "grad_hidden", "grad_weight"])
+
+
+@pytest.mark.parametrize("normalize", NORMS)
+def test_empty_batch(normalize):
+    """N = 0: loss 0 and zero (not NaN) gradients, so an empty shard cannot poison an all-reduce."""
+    d = make(5, 3, 37, dtype=torch.float32)
+    ids, t, m = d["ids"][:0], d["t"][:0], d["m"][:0]
+    z, h, w = leaf(d["z"][:0]), leaf(d["h"][:0]), leaf(d["w"])
+    loss = sparsefuse.topk_kd_loss_from_logits(z, ids, t, m, normalize=normalize)
+    (gz,) = torch.autograd.grad(loss, z)
+    assert loss == 0 and gz.shape == (0, 37)
+    loss = sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, m, normalize=normalize)
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    assert loss == 0 and gh.shape == (0, 12) and (gw == 0).all()
+    zk = leaf(d["z"][:0, :3])
+    assert sparsefuse.topk_kd_loss(zk, t, m) == 0

@@ -95,7 +95,8 @@ def cases(*, quick=False):
         isz = torch.finfo(dtype).bits // 8
         gshape = dict(N=N, K=K)
         out += [
-            _case("gathered", "sparsefuse", gathered(topk_kd_loss), gshape, dtype_name, bytes_moved=N * K * (3 * isz + 5)),
+            _case("gathered", "sparsefuse", gathered(topk_kd_loss), gshape, dtype_name,
+                  bytes_moved=N * K * (3 * isz + 5)),
             _case("gathered", "torch", gathered(_ref_gathered), gshape, dtype_name),
             _case("gathered", "torch.compile", gathered(torch.compile(_ref_gathered, dynamic=False)), gshape,
                   dtype_name),
@@ -190,7 +191,8 @@ def check(log=print) -> bool:
         got += torch.autograd.grad(got[0], params)
         want = [ref()]
         want += torch.autograd.grad(want[0], params)
-        err = max(float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30)) for a, b in zip(got, want))
+        err = max(float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
+                  for a, b in zip(got, want))
         good = err < 1e-4
         ok &= good
         log(f"  {name:<12} loss and gradients vs float64 reference: max relative error {err:.2e}  "

@@ -21,8 +21,6 @@ per-slot corrections; every entry point calls it:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -763,7 +761,8 @@ def rescale_(x: torch.Tensor, g: torch.Tensor, applied: torch.Tensor) -> None:
     """x *= g / applied in place (no traffic when equal)."""
     n = x.numel()
     if n:
-        _kd_rescale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](x, g, applied, n, ACC=_tl_dtype(x.dtype), BLOCK=_SCALE_BLOCK)
+        _kd_rescale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](x, g, applied, n, ACC=_tl_dtype(x.dtype),
+                                                             BLOCK=_SCALE_BLOCK)
 
 
 def hidden_bwd(grad_loss, gh, gw, gb, applied):

@@ -73,6 +73,7 @@ def topk_stages(h, w, ids, t, m):
     gh = torch.empty_like(h)
     scale = torch.tensor([1.0 / N, 0.0], device=dev)
     m8 = kernels._u8(m)
+    tl_acc = kernels._tl_dtype(acc)
     for grad in (False, True):
         for bh in (64, 128):
             for nw in (2,):
@@ -80,7 +81,6 @@ def topk_stages(h, w, ids, t, m):
                     h, w, None, ids, t, m8, tok, flags, g, gh, scale, H, V, K, w.stride(0), 1.0, 1.0,
                     HAS_BIAS=False, NEED_GRAD=grad, NEED_GH=grad, ACC=tl_acc, BLOCK_K=triton.next_power_of_2(K),
                     BLOCK_H=bh, num_warps=nw)
-                tl_acc = kernels._tl_dtype(acc)
                 try:
                     ms = do_bench(fn, warmup=10, rep=50)
                 except Exception as e:  # noqa: BLE001
@@ -90,8 +90,9 @@ def topk_stages(h, w, ids, t, m):
     cfg = sae_kernels._gather_config(K, H, h.element_size())
     vals = torch.ones(N, K, device=dev)
     gv = torch.empty(N, K, device=dev)
-    ms = do_bench(lambda: sae_kernels._sae_decode_bwd_kernel[(N,)](ids, vals, w, h, gv, K, H, V, w.stride(0), 1,
-                                                                    ACC=kernels._tl_dtype(acc), **cfg), warmup=10, rep=50)
+    dots = lambda: sae_kernels._sae_decode_bwd_kernel[(N,)](  # noqa: E731
+        ids, vals, w, h, gv, K, H, V, w.stride(0), 1, ACC=tl_acc, **cfg)
+    ms = do_bench(dots, warmup=10, rep=50)
     print(f"sae dots (decode bwd kernel) {cfg}: {ms:.3f} ms")
     ms = do_bench(lambda: sae_kernels.decode_fwd(ids, g, w, None), warmup=10, rep=50)
     print(f"sae decode fwd (embedding bag, fp32 out): {ms:.3f} ms")
