@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launch
 from .._registry import INTERPRET
 from .._validate import check_index_range
 from .reference import acc_dtype
@@ -294,6 +295,11 @@ def _sae_weight_grad_kernel(
 # index range, allocate, and launch.
 
 
+def _launch(fn, grid, *args, num_warps, **meta):
+    """``fn[grid](*args, **meta)`` through the shared low-overhead launcher (``sparsefuse/_launch.py``)."""
+    launch(fn, grid, args, meta, num_warps)
+
+
 def _weight_strides(weight: torch.Tensor):
     return weight.stride(0), weight.stride(1)
 
@@ -307,7 +313,7 @@ def decode_fwd(indices, vals, weight, bias):
     if B == 0 or D == 0:
         return out.zero_()
     idx, v = indices.contiguous(), vals.contiguous()
-    _sae_decode_fwd_kernel[(B,)](
+    _launch(_sae_decode_fwd_kernel, (B,),
         idx, v, weight, bias, None, out, None, None, K, D, F, *_weight_strides(weight),
         HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc_dtype(vals, weight, bias)),
         **_gather_config(K, D, weight.element_size()),
@@ -338,7 +344,7 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
     sorted_keys, order = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
     grid = (num_features, triton.cdiv(D, _SEG_BLOCK_D))
-    _sae_weight_grad_kernel[grid](
+    _launch(_sae_weight_grad_kernel, grid,
         seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
         K, D, const_scale,
         WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
@@ -356,7 +362,7 @@ def decode_bwd(grad, indices, vals, weight, need_weight_grad):
     grad = grad.contiguous()
     grad_vals = torch.empty(B, K, device=vals.device, dtype=vals.dtype)
     if B > 0:
-        _sae_decode_bwd_kernel[(B,)](
+        _launch(_sae_decode_bwd_kernel, (B,),
             indices.contiguous(), vals.contiguous(), weight, grad, grad_vals, K, D, F, *_weight_strides(weight),
             ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
         )
@@ -376,7 +382,7 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     gv = torch.empty(B, K, device=vals.device, dtype=acc)
     row_loss = torch.empty(B, device=vals.device, dtype=acc)
     if B > 0 and D > 0:
-        _sae_decode_fwd_kernel[(B,)](
+        _launch(_sae_decode_fwd_kernel, (B,),
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss,
             K, D, F, *_weight_strides(weight),
             HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
@@ -409,7 +415,7 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     etot = torch.empty(B, D, device=vals.device, dtype=acc)
     row_loss = torch.empty(B, device=vals.device, dtype=acc)
     if B > 0 and D > 0:
-        _hierarchical_sae_fwd_kernel[(B,)](
+        _launch(_hierarchical_sae_fwd_kernel, (B,),
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, row_loss,
             K, D, F, *_weight_strides(weight),
             HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **_hier_config(D, 256 if weight.element_size() <= 2 else 128),
@@ -439,7 +445,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         buf = (torch.empty(B * K, D, device=vals.device, dtype=acc) if deterministic
                else torch.zeros(F, D, device=vals.device, dtype=acc))
     if B > 0 and D > 0:
-        _hierarchical_sae_bwd_kernel[(B,)](
+        _launch(_hierarchical_sae_bwd_kernel, (B,),
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, grad_vals,
             K, D, F, *_weight_strides(weight), c,
             HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), BLOCK_K=triton.next_power_of_2(K),

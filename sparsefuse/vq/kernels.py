@@ -33,7 +33,7 @@ import triton.language as tl
 from .._registry import INTERPRET
 from .._validate import check_index_range
 from . import reference
-from ._launch import cdiv, launch, next_pow2
+from .._launch import cdiv, launch, next_pow2
 
 _MUL1 = tl.constexpr(reference.HASH_MUL1)
 _MUL2 = tl.constexpr(reference.HASH_MUL2)

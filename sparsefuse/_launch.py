@@ -1,8 +1,9 @@
-"""Low-overhead launches for the small per-step kernels of the EMA update.
+"""Low-overhead kernel launches, shared by every family.
 
 ``kernel[grid](...)`` re-derives Triton's specialisation of every argument on each call; for the
-EMA kernels (about 25 arguments, microseconds of device work at small shapes) that host work was
-most of an update's time (about 45 us a launch on an H200 host). :func:`launch` keys a cache of
+small per-step kernels (the EMA update: about 25 arguments, microseconds of device work) that host
+work was most of an update's time (about 45 us a launch on an H200 host), and SAE training steps
+at K <= 64 were host-bound for the same reason. :func:`launch` keys a cache of
 compiled kernels by exactly what Triton specialises on (pointer dtype and 16-byte alignment; for an
 integer, whether it is 1, divisible by 16, and fits in 32 bits, or only the last for parameters
 marked ``do_not_specialize``; None; constexpr values; device), so
@@ -18,7 +19,7 @@ import os
 import torch
 from triton import knobs
 
-from .._registry import INTERPRET
+from ._registry import INTERPRET
 
 try:
     from torch._C import _cuda_getCurrentRawStream as _current_stream
