@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launch
 from .._registry import INTERPRET
 from .._validate import check_index_range, index_checks_enabled
 from .reference import IGNORE_INDEX, acc_dtype
@@ -41,6 +42,7 @@ _WG_CONFIGS = (
      for e, h, w, s in ((32, 128, 4, 2), (64, 128, 4, 2), (32, 256, 8, 2), (64, 64, 4, 3), (32, 128, 4, 3))]
 )
 _REDUCE_BLOCK = 64 if INTERPRET else 1024
+_TOPK_WARPS = 4
 _SCALE_BLOCK = 1024 if INTERPRET else 8192
 #: Target size of one chunk of logits in the from-hidden path (chunk rows = this / (V * itemsize)).
 CHUNK_BYTES = 256 * 2**20
@@ -540,11 +542,13 @@ def reduce(tok, ce, flags, labels, reduction, num_items, num_items_value, ce_wei
     dev = flags.device
     scale = torch.empty(2, device=dev, dtype=acc)
     loss = torch.empty((), device=dev, dtype=acc) if tok is not None else None
-    _kd_reduce_kernel[(1,)](
-        tok, ce, flags, labels, num_items, loss, scale, flags.shape[0], float(num_items_value), float(ce_weight),
-        REDUCTION=reduction, HAS_TOK=tok is not None, HAS_CE=labels is not None, HAS_ITEMS=num_items is not None,
-        ACC=_tl_dtype(acc), BLOCK=_REDUCE_BLOCK,
-    )
+    args = (tok, ce, flags, labels, num_items, loss, scale, flags.shape[0], float(num_items_value), float(ce_weight))
+    meta = dict(REDUCTION=reduction, HAS_TOK=tok is not None, HAS_CE=labels is not None,
+                HAS_ITEMS=num_items is not None, ACC=_tl_dtype(acc), BLOCK=_REDUCE_BLOCK)
+    if tok is not None:  # the gathered loss is launch-bound: the shared cached launcher (sparsefuse/_launch.py)
+        launch(_kd_reduce_kernel, (1,), args, meta, 4)
+    else:
+        _kd_reduce_kernel[(1,)](*args, **meta)
     return loss, scale
 
 
@@ -556,10 +560,10 @@ def topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value):
     flags = torch.empty(N, device=z.device, dtype=acc)
     if N:
         cfg = _topk_config(K)
-        _kd_topk_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-            z.contiguous(), t.contiguous(), _u8(mask), tok, flags, None, None, None, None, N, K,
-            1.0 / temperature, float(temperature), IS_BWD=False, HAS_GT=False, ACC=_tl_dtype(acc), **cfg,
-        )
+        launch(_kd_topk_kernel, (triton.cdiv(N, cfg["BLOCK_N"]),),
+               (z.contiguous(), t.contiguous(), _u8(mask), tok, flags, None, None, None, None, N, K,
+                1.0 / temperature, float(temperature)),
+               dict(IS_BWD=False, HAS_GT=False, ACC=_tl_dtype(acc), **cfg), _TOPK_WARPS)
     loss, scale = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
     return loss, tok, scale
 
@@ -569,11 +573,11 @@ def topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature):
     g = torch.empty(N, K, device=z.device, dtype=z.dtype)
     if N:
         cfg = _topk_config(K)
-        _kd_topk_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-            z.contiguous(), t.contiguous(), _u8(mask), None, None, g, grad_loss.contiguous(),
-            None if grad_tok is None else grad_tok.contiguous(), scale, N, K, 1.0 / temperature, float(temperature),
-            IS_BWD=True, HAS_GT=grad_tok is not None, ACC=_tl_dtype(scale.dtype), **cfg,
-        )
+        launch(_kd_topk_kernel, (triton.cdiv(N, cfg["BLOCK_N"]),),
+               (z.contiguous(), t.contiguous(), _u8(mask), None, None, g, grad_loss.contiguous(),
+                None if grad_tok is None else grad_tok.contiguous(), scale, N, K, 1.0 / temperature,
+                float(temperature)),
+               dict(IS_BWD=True, HAS_GT=grad_tok is not None, ACC=_tl_dtype(scale.dtype), **cfg), _TOPK_WARPS)
     return g
 
 
