@@ -80,7 +80,7 @@ def test_auxk_uses_only_dead_latents():
     m = _model(False, auxk_alpha=1.0, dead_tokens=100)
     x = _x()
     out = m(x)
-    assert float(out.auxk_loss) == 0.0, "no dead latent: AuxK must be zero"
+    assert float(out.auxk_loss.detach()) == 0.0, "no dead latent: AuxK must be zero"
     dead = torch.zeros(F, dtype=torch.bool, device=DEVICE)
     dead[[1, 4, 7, 11, 20]] = True
     m.tokens_since_fired[dead] = 1000

@@ -12,8 +12,8 @@ Activations: the residual stream after transformer layer ``--layer`` (default 3 
 real token (no [CLS], [SEP] or padding), float32, written as ``[N, 384]`` under the key
 ``activations`` of a ``.safetensors`` file. Then::
 
-    sparsefuse train-sae --data minilm_layer3.safetensors --loss both --k 32 --latents 2048 \\
-        --batch-size 512 --steps 1500 --out benchmarks/claim/minilm
+    sparsefuse train-sae --data minilm_layer3.safetensors --loss both --k 32 --latents 1024 \\
+        --batch-size 256 --steps 1500 --out benchmarks/claim/minilm
 """
 
 from __future__ import annotations

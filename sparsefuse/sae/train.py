@@ -211,11 +211,12 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
     return RunResult(loss, model, fvu, history, recovery, seconds)
 
 
-def train_sae(cfg: TrainConfig = TrainConfig(), log=print) -> dict:
+def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
     """Train one SAE per entry of ``cfg.losses`` on the same data; write outputs to ``cfg.out``.
 
     Returns ``{loss: RunResult}``. Under ``torchrun`` every process calls this; only rank 0 writes.
     """
+    cfg = TrainConfig() if cfg is None else cfg
     for loss in cfg.losses:
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
