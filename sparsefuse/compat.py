@@ -29,7 +29,6 @@ def ema_update(x, codes, ema_cluster_size, ema_embed_sum, codebook, steps_since_
                   semantics="active", restart_after_steps=restart_after_steps)
 
 
-
 def kd_loss_triton(student_logits, teacher_logprobs, mask, num_items_in_batch=None):
     """axolotl's early Triton KD loss, argument order kept: the top-K forward KL on gathered student
     logits ``[..., K]``, renormalised over the K tokens, returned as the unnormalised sum (divided by
