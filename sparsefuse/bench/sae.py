@@ -98,7 +98,8 @@ def check(log=print) -> bool:
         p64 = [p.detach().double().requires_grad_() for p in params]
         want = [ref(idx, p64[0], p64[1], p64[2], target.double())]
         want += torch.autograd.grad(want[0], p64)
-        err = max(float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(got, want))
+        err = max(float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
+                  for a, b in zip(got, want))
         good = err < 1e-5
         ok &= good
         log(f"  {op_name:<13} loss and gradients vs float64 reference: max relative error {err:.2e}  "
