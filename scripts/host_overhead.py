@@ -22,3 +22,26 @@ for name, (fn, _) in OPS.items():
             step()
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+
+# The VQ EMA update (eager, CUDA): host cost per call at a tiny shape.
+from sparsefuse import vq_ema_update
+from sparsefuse.bench.vq import make_state, _ema_kwargs
+for semantics in ("active", "laplace"):
+    state = make_state(640, 256, 64, "cuda")
+    kw = _ema_kwargs(semantics)
+    call = lambda: vq_ema_update(*state, **kw)
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        call()
+    torch.cuda.synchronize()
+    print(f"vq_ema_update {semantics}: {(time.perf_counter() - t0) / 200 * 1e6:.0f} us per call (host-bound)")
+    if len(sys.argv) > 1:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            call()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(18)

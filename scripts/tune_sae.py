@@ -1,4 +1,6 @@
-"""Kernel-level sweep for the SAE kernels (block sizes, warps, stages, variants). GPU only."""
+"""Kernel-level sweep for the TopK SAE kernels (block sizes, warps). GPU only.
+
+The hierarchical sweeps have their own: scripts/tune_hier.py."""
 import json, os, sys
 import torch, triton, triton.language as tl
 from triton.testing import do_bench
@@ -21,20 +23,6 @@ for dtype in (torch.float32, torch.bfloat16):
         cfg = kn._gather_config(K, D, w.element_size())
         out[f"fwd {tag} heuristic {cfg}"] = t(lambda: kn._sae_decode_fwd_kernel[(B,)](idx, v, w, b, tg, resid, gv, rl, K, D, F, D, 1,
                                HAS_BIAS=True, IS_LOSS=True, ACC=tl.float32, **cfg))
-        etot = torch.empty(B, D, device="cuda"); g1 = torch.ones((), device="cuda")
-        gwbuf = torch.zeros(F, D, device="cuda")
-        staged = torch.empty(B * K, D, device="cuda")
-        for BD in (32, 64, 128, 256, 512):
-            for nw in (1, 2, 4):
-                if BD < 32 * nw or BD // (32 * nw) > 8: continue
-                out[f"hierfwd {tag} BD={BD} nw={nw}"] = t(lambda: kn._hierarchical_sae_fwd_kernel[(B,)](
-                    idx, v, w, b, tg, etot, rl, K, D, F, D, 1, HAS_BIAS=True, ACC=tl.float32, BLOCK_D=BD, num_warps=nw))
-                for mode in (1, 2):
-                    buf = staged if mode == 2 else gwbuf
-                    out[f"hierbwd {tag} mode={mode} BD={BD} nw={nw}"] = t(lambda: kn._hierarchical_sae_bwd_kernel[(B,)](
-                        idx, v, w, b, tg, etot, g1, buf, gv, K, D, F, D, 1, 1e-9, HAS_BIAS=True, WEIGHT_GRAD=mode,
-                        ACC=tl.float32, BLOCK_K=BK, BLOCK_D=BD, num_warps=nw))
-        del staged
         keys = idx.reshape(-1)
         sk, order = torch.sort(keys, stable=True)
         seg = torch.searchsorted(sk, torch.arange(F + 1, device="cuda", dtype=keys.dtype))
@@ -61,7 +49,7 @@ for name, (fn, _) in OPS.items():
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "tune.json"), "w"), indent=1)
 groups = {}
 for k, ms in out.items():
-    g = " ".join(k.split()[:2]) + (" " + k.split()[2] if k.startswith("hierbwd") else "")
+    g = " ".join(k.split()[:2])
     groups.setdefault(g, []).append((ms, k))
 for g, items in groups.items():
     items.sort()

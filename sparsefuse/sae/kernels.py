@@ -13,11 +13,12 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
   deterministic.
 * Hierarchical: the gradient of row (b, j) is c * v_j * E_j with E_j = sum_{k>=j} e_k, the suffix
   sum of the prefix errors: a different vector for every (b, j), so it cannot be rebuilt from
-  O(B*D) data and must be scattered. The forward sweeps the latents once per D tile and saves
-  E_0 [B, D]; the backward sweeps them again from E_0, producing gv and scattering g * c * v_j * E_j
-  with fp32 atomics (about 2/3 of its time at K = 128: every atomic misses L2, since the F x D
-  gradient is far larger than L2). Deterministic mode stages the B*K rows and reuses the segmented
-  sum instead.
+  O(B*D) data and must be scattered. The forward sweeps the latents once and saves E_0 [B, D]; the
+  backward sweeps them again from E_0, producing gv and scattering g * c * v_j * E_j with fp32
+  atomics. Both run one program per (rows, D tile) with the D tile as the slow grid axis, so the
+  programs in flight share one F x BLOCK_D slice of the decoder and of its gradient, and the
+  gathers and atomics hit L2 (the whole F x D gradient is far larger than L2). Deterministic mode
+  stages the B*K rows and reuses the segmented sum instead.
 """
 
 from __future__ import annotations
@@ -47,9 +48,18 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
 
 
-def _hier_config(D: int, block_d: int) -> dict:
-    """One warp a row: the sweeps are latency-bound, so many small programs beat few wide ones."""
-    return dict(BLOCK_D=min(block_d, max(16, triton.next_power_of_2(max(D, 1)))), num_warps=1)
+# Hierarchical sweeps (H200, scripts/tune_hier.py): one warp per program; the forward covers two
+# fp32 rows or one 16-bit row of 128 columns, the backward one row of 64 columns (wider tiles or more
+# rows per program made its scatter slower). Software pipelining (STAGES > 1) never helped.
+_HIER_FWD = {4: dict(BLOCK_B=2, BLOCK_D=64), 2: dict(BLOCK_B=1, BLOCK_D=128)}
+_HIER_BWD = dict(BLOCK_B=1, BLOCK_D=64)
+
+
+def _hier_config(D: int, itemsize: int, backward: bool) -> dict:
+    """Launch configuration of the hierarchical sweeps; BLOCK_D shrinks to cover a narrow D."""
+    cfg = dict(_HIER_BWD if backward else _HIER_FWD.get(itemsize, _HIER_FWD[4]), num_warps=1, STAGES=1)
+    cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, triton.next_power_of_2(max(D, 1))))
+    return cfg
 
 
 def _tl_dtype(dt: torch.dtype):
@@ -143,21 +153,24 @@ def _sae_decode_bwd_kernel(
 
 
 @triton.jit
-def _hierarchical_offset(tgt_ptr, bias_ptr, i_b, o_d, m_d, D, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
-    """bias - target[b] on one D tile: the prefix error before any latent is added."""
-    b_off = -tl.load(tgt_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
+def _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
+    """bias - target on a [BLOCK_B, BLOCK_D] tile: the prefix error before any latent is added."""
+    b_off = -tl.load(tgt_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0).to(ACC)
     if HAS_BIAS:
-        b_off += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
+        b_off += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)[None, :]
     return b_off
 
 
 @triton.jit
-def _load_latent_row(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_d, m_d, K, F, stride_wf, stride_wd, ACC: tl.constexpr):
-    """Latent k of row b: (feature id, value, decoder tile); an out-of-range id gives value NaN."""
-    i_f = tl.load(idx_ptr + i_b * K + i_k).to(tl.int64)
+def _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf, stride_wd,
+                      ACC: tl.constexpr):
+    """Latent k of rows o_b: (feature ids, validity, values, decoder tile [BLOCK_B, BLOCK_D]).
+    An out-of-range id is never dereferenced; its value becomes NaN."""
+    i_f = tl.load(idx_ptr + o_b * K + i_k, mask=m_b, other=0).to(tl.int64)  # [BLOCK_B]
     ok = (i_f >= 0) & (i_f < F)
-    v = tl.where(ok, tl.load(vals_ptr + i_b * K + i_k).to(ACC), float("nan"))
-    b_w = tl.load(w_ptr + i_f * stride_wf + o_d * stride_wd, mask=m_d & ok, other=0).to(ACC)  # [BLOCK_D]
+    v = tl.where(ok, tl.load(vals_ptr + o_b * K + i_k, mask=m_b, other=0).to(ACC), float("nan"))
+    m_w = (m_b & ok)[:, None] & m_d[None, :]
+    b_w = tl.load(w_ptr + i_f[:, None] * stride_wf + o_d[None, :] * stride_wd, mask=m_w, other=0).to(ACC)
     return i_f, ok, v, b_w
 
 
@@ -169,7 +182,8 @@ def _hierarchical_sae_fwd_kernel(
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D]
     etot_ptr,  # [B, D] ACC out: E_0 = sum_k e_k
-    loss_ptr,  # [B] ACC out: sum_{k, d} e_k^2
+    loss_ptr,  # [cdiv(D, BLOCK_D), B] ACC out: sum over the tile's columns and all k of e_k^2
+    B,
     K,
     D,
     F,
@@ -177,25 +191,33 @@ def _hierarchical_sae_fwd_kernel(
     stride_wd,
     HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """One row per program; per D tile, one sweep over the latents in order builds the prefix
-    errors e_k = bias + sum_{j<=k} v_j w_j - target, their squares and their sum E_0. A running
-    recurrence keeps every thread on its own columns (a tl.cumsum over a [K, D] tile was 4x slower)."""
-    i_b = tl.program_id(0).to(tl.int64)
-    b_loss = tl.zeros([BLOCK_D], dtype=ACC)
-    for i_d in range(0, D, BLOCK_D):
-        o_d = i_d + tl.arange(0, BLOCK_D)
-        m_d = o_d < D
-        b_e = _hierarchical_offset(tgt_ptr, bias_ptr, i_b, o_d, m_d, D, HAS_BIAS, ACC)
-        b_tot = tl.zeros([BLOCK_D], dtype=ACC)
-        for i_k in range(0, K):
-            _, _, v, b_w = _load_latent_row(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_d, m_d, K, F, stride_wf, stride_wd, ACC)
-            b_e += v * b_w
-            b_loss += b_e * b_e
-            b_tot += b_e
-        tl.store(etot_ptr + i_b * D + o_d, b_tot, mask=m_d)
-    tl.store(loss_ptr + i_b, tl.sum(b_loss, axis=0))
+    """One program per (BLOCK_B rows, D tile); one sweep over the latents in order builds the prefix
+    errors e_k = bias + sum_{j<=k} v_j w_j - target, their squares and their sum E_0.
+
+    The D tile is the slow grid axis, so the programs resident at any moment read the same
+    F x BLOCK_D slice of the decoder, which fits in L2: the B*K gathered rows come from L2, and each
+    decoder element is read from HBM about once. A running recurrence keeps every thread on its own
+    columns (a tl.cumsum over a [K, D] tile was 4x slower)."""
+    i_t = tl.program_id(1)
+    o_b = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_b, m_d = o_b < B, o_d < D
+    m_bd = m_b[:, None] & m_d[None, :]
+    b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
+    b_tot = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
+    b_loss = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
+    for i_k in tl.range(0, K, num_stages=STAGES):
+        _, _, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
+                                         stride_wd, ACC)
+        b_e += v[:, None] * b_w
+        b_loss += b_e * b_e
+        b_tot += b_e
+    tl.store(etot_ptr + o_b[:, None] * D + o_d[None, :], b_tot, mask=m_bd)
+    tl.store(loss_ptr + i_t * B + o_b, tl.sum(tl.where(m_bd, b_loss, 0.0), axis=1), mask=m_b)
 
 
 @triton.jit
@@ -208,7 +230,8 @@ def _hierarchical_sae_bwd_kernel(
     etot_ptr,  # [B, D] ACC: E_0 from the forward
     g_ptr,  # [] incoming gradient of the loss
     gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows
-    gv_ptr,  # [B, K] out (vals dtype): g * c * <E_k, w_idx[b, k]>
+    gv_ptr,  # STAGED_GV: [cdiv(D, BLOCK_D), B, K] ACC per-tile partials; else [B, K] ACC zeroed, atomic
+    B,
     K,
     D,
     F,
@@ -217,34 +240,40 @@ def _hierarchical_sae_bwd_kernel(
     scale,  # c = 2 / (B * K * D)
     HAS_BIAS: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr,  # 0: none, 1: atomic scatter into [F, D], 2: staged rows
+    STAGED_GV: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """The gradient of the loss with respect to v_j w_j is g * c * E_j, E_j = sum_{k>=j} e_k. Starting
-    from the saved E_0, one forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j."""
-    i_b = tl.program_id(0).to(tl.int64)
-    o_k = tl.arange(0, BLOCK_K)
+    from the saved E_0, one forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
+
+    Same grid as the forward: the programs resident together share one D tile, so both the decoder
+    reads and the atomics into the F x BLOCK_D slice of the gradient stay in L2."""
+    i_t = tl.program_id(1)
+    o_b = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_b, m_d = o_b < B, o_d < D
+    m_bd = m_b[:, None] & m_d[None, :]
     gc = tl.load(g_ptr).to(ACC) * scale
-    b_gv = tl.zeros([BLOCK_K], dtype=ACC)
-    for i_d in range(0, D, BLOCK_D):
-        o_d = i_d + tl.arange(0, BLOCK_D)
-        m_d = o_d < D
-        b_s = tl.load(etot_ptr + i_b * D + o_d, mask=m_d, other=0) * gc  # g c E_j, from j = 0
-        b_e = _hierarchical_offset(tgt_ptr, bias_ptr, i_b, o_d, m_d, D, HAS_BIAS, ACC) * gc  # g c e_{j-1}
-        for i_k in range(0, K):
-            i_f, ok, v, b_w = _load_latent_row(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_d, m_d, K, F, stride_wf,
-                                               stride_wd, ACC)
-            b_gv += tl.where(o_k == i_k, tl.sum(b_s * b_w, axis=0), 0.0)
-            if WEIGHT_GRAD == 1:
-                tl.atomic_add(gw_ptr + i_f * D + o_d, v * b_s, mask=m_d & ok, sem="relaxed")
-            elif WEIGHT_GRAD == 2:
-                tl.store(gw_ptr + (i_b * K + i_k) * D + o_d, v * b_s, mask=m_d)
-            b_e += (v * gc) * b_w
-            b_s -= b_e
-    b_valid = tl.load(idx_ptr + i_b * K + o_k, mask=o_k < K, other=0).to(tl.int64)
-    b_gv = tl.where((b_valid >= 0) & (b_valid < F), b_gv, float("nan"))
-    tl.store(gv_ptr + i_b * K + o_k, b_gv.to(gv_ptr.dtype.element_ty), mask=o_k < K)
+    b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gc  # g c E_j, from j = 0
+    b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC) * gc  # g c e_{j-1}
+    for i_k in tl.range(0, K, num_stages=STAGES):
+        i_f, ok, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
+                                            stride_wd, ACC)
+        b_dot = tl.where(ok, tl.sum(b_s * b_w, axis=1), float("nan"))  # [BLOCK_B]
+        if STAGED_GV:
+            tl.store(gv_ptr + (i_t * B + o_b) * K + i_k, b_dot, mask=m_b)
+        else:
+            tl.atomic_add(gv_ptr + o_b * K + i_k, b_dot, mask=m_b, sem="relaxed")
+        if WEIGHT_GRAD == 1:
+            tl.atomic_add(gw_ptr + i_f[:, None] * D + o_d[None, :], v[:, None] * b_s,
+                          mask=m_bd & ok[:, None], sem="relaxed")
+        elif WEIGHT_GRAD == 2:
+            tl.store(gw_ptr + (o_b[:, None] * K + i_k) * D + o_d[None, :], v[:, None] * b_s, mask=m_bd)
+        b_e += (v * gc)[:, None] * b_w
+        b_s -= b_e
 
 
 @triton.jit
@@ -406,6 +435,11 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
     return grad_vals, grad_weight, grad_bias
 
 
+def _hier_grid(B: int, D: int, cfg: dict) -> tuple:
+    """Row blocks on the fast grid axis, D tiles on the slow one (see _hierarchical_sae_fwd_kernel)."""
+    return triton.cdiv(B, cfg["BLOCK_B"]), triton.cdiv(D, cfg["BLOCK_D"])
+
+
 def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     """(loss [] ACC, etot [B, D] ACC) with etot[b] = sum_k of the prefix errors of row b."""
     B, K = indices.shape
@@ -413,31 +447,31 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     check_index_range("indices", indices, F)
     acc = acc_dtype(weight, vals, bias, target)
     etot = torch.empty(B, D, device=vals.device, dtype=acc)
-    row_loss = torch.empty(B, device=vals.device, dtype=acc)
-    if B > 0 and D > 0:
-        _launch(_hierarchical_sae_fwd_kernel, (B,),
-            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, row_loss,
-            K, D, F, *_weight_strides(weight),
-            HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **_hier_config(D, 256 if weight.element_size() <= 2 else 128),
-        )
-    else:
-        for t in (etot, row_loss):
-            t.zero_()
-    return row_loss.sum() / max(B * K * D, 1), etot
+    if B == 0 or D == 0:
+        return vals.new_zeros((), dtype=acc), etot.zero_()
+    cfg = _hier_config(D, weight.element_size(), backward=False)
+    grid = _hier_grid(B, D, cfg)
+    row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
+    _launch(_hierarchical_sae_fwd_kernel, grid,
+        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, row_loss,
+        B, K, D, F, *_weight_strides(weight),
+        HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **cfg,
+    )
+    return row_loss.sum() / (B * K * D), etot
 
 
 def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC), all scaled by grad_loss.
 
     The weight gradient is scattered with fp32 atomics into a zeroed buffer (the output itself for an
-    fp32 weight), or, when ``deterministic``, staged as B*K rows and reduced in a fixed order.
+    fp32 weight), or, when ``deterministic``, staged as B*K rows and reduced in a fixed order; gv
+    likewise goes through atomics, or per-D-tile partials summed in a fixed order.
     """
     B, K = indices.shape
     F, D = weight.shape
     acc = etot.dtype
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(acc)
-    grad_vals = torch.empty(B, K, device=vals.device, dtype=vals.dtype)
     grad_bias = etot.sum(0).mul_(g * c)
     mode, buf = 0, None
     if need_weight_grad:
@@ -445,14 +479,18 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         buf = (torch.empty(B * K, D, device=vals.device, dtype=acc) if deterministic
                else torch.zeros(F, D, device=vals.device, dtype=acc))
     if B > 0 and D > 0:
-        _launch(_hierarchical_sae_bwd_kernel, (B,),
-            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, grad_vals,
-            K, D, F, *_weight_strides(weight), c,
-            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, ACC=_tl_dtype(acc), BLOCK_K=triton.next_power_of_2(K),
-            **_hier_config(D, 256 if mode == 2 else 64),
+        cfg = _hier_config(D, weight.element_size(), backward=True)
+        grid = _hier_grid(B, D, cfg)
+        gv = (torch.empty(grid[1], B, K, device=vals.device, dtype=acc) if deterministic
+              else torch.zeros(B, K, device=vals.device, dtype=acc))
+        _launch(_hierarchical_sae_bwd_kernel, grid,
+            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, gv,
+            B, K, D, F, *_weight_strides(weight), c,
+            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, ACC=_tl_dtype(acc), **cfg,
         )
+        grad_vals = (gv.sum(0) if deterministic else gv).to(vals.dtype)
     else:
-        grad_vals.zero_()
+        grad_vals = torch.zeros(B, K, device=vals.device, dtype=vals.dtype)
         if mode == 2:
             buf.zero_()
     if mode == 2:
