@@ -54,24 +54,45 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def launch(fn, grid, args, meta, num_warps):
+def launch(fn, grid, args, meta, num_warps, num_stages=None):
     """``fn[grid](*args, **meta, num_warps=num_warps)``; ``meta`` holds the constexpr arguments, which
     follow ``args`` in the kernel's signature."""
+    opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     if INTERPRET or not FAST or not args[0].is_cuda:
-        fn[grid](*args, **meta, num_warps=num_warps)
+        fn[grid](*args, **meta, **opts)
         return
     nospec = _NOSPEC.get(fn)
     if nospec is None:
         nospec = _NOSPEC[fn] = frozenset(i for i, p in enumerate(fn.params) if p.do_not_specialize)
     dev = torch.cuda.current_device()
-    key = (fn, dev, num_warps, tuple(meta.items()),
-           tuple((-_I32 <= a < _I32) if i in nospec else _arg_key(a) for i, a in enumerate(args)))
+    if nospec:
+        arg_keys = tuple((-_I32 <= a < _I32) if i in nospec else _arg_key(a) for i, a in enumerate(args))
+    else:
+        arg_keys = tuple(map(_arg_key, args))
+    key = (fn, dev, num_warps, num_stages, tuple(meta.items()), arg_keys)
     kernel = _CACHE.get(key)
     if kernel is None:
-        _CACHE[key] = fn[grid](*args, **meta, num_warps=num_warps)
+        _CACHE[key] = fn[grid](*args, **meta, **opts)
         return
     all_args = (*args, *(meta[name] for name in fn.arg_names[len(args):]))
     stream = _current_stream(dev)
     rt = knobs.runtime
     kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
                kernel.launch_metadata(grid, stream, *all_args), rt.launch_enter_hook, rt.launch_exit_hook, *all_args)
+
+
+_TUNED: dict = {}
+
+
+def launch_tuned(tuner, grid_fn, args, meta, tune_key):
+    """Launch a ``triton.autotune``-wrapped kernel: the first call for ``tune_key`` goes through the
+    autotuner; later calls launch its pick through :func:`launch` (the autotuner's own dispatch costs
+    tens of microseconds of host time per call). ``tune_key`` must determine the autotuner's key
+    (its key arguments and the dtypes of the tensors)."""
+    cfg = _TUNED.get(tune_key)
+    if cfg is None or INTERPRET or not FAST:
+        tuner[grid_fn](*args, **meta)
+        if not INTERPRET:
+            _TUNED[tune_key] = tuner.best_config
+        return
+    launch(tuner.fn, grid_fn(cfg.kwargs), args, {**meta, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)

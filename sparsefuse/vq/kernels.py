@@ -33,7 +33,7 @@ import triton.language as tl
 from .._registry import INTERPRET
 from .._validate import check_index_range
 from . import reference
-from .._launch import cdiv, launch, next_pow2
+from .._launch import cdiv, launch, launch_tuned, next_pow2
 
 _MUL1 = tl.constexpr(reference.HASH_MUL1)
 _MUL2 = tl.constexpr(reference.HASH_MUL2)
@@ -357,6 +357,11 @@ def _vq_ema_restart_kernel(
         tl.store(es_ptr + p, b_v * reset, mask=m)
 
 
+def _levels(t: torch.Tensor):
+    """(L, rows, D) of a stacked [L, rows, D] tensor or of one unstacked [rows, D] level."""
+    return tuple(t.shape) if t.dim() == 3 else (1, *t.shape)
+
+
 def stats_layout(L: int, K: int, D: int):
     """Offsets in the flat fp32 statistics buffer: [s: L*K*D | n: L*K | old cs: L*K | old counters: L*K].
     The first L*K*(D+1) entries are what DDP all-reduces."""
@@ -369,9 +374,10 @@ def split_stats(stats: torch.Tensor, L: int, K: int, D: int):
 
 
 def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=True):
-    """Flat fp32 statistics buffer (see :func:`stats_layout`) for x [L, B, D], codes [L, B]."""
-    L, B, D = x.shape
-    K = cluster_size.shape[1]
+    """Flat fp32 statistics buffer (see :func:`stats_layout`) for x [L, B, D], codes [L, B] (or one
+    level unstacked: x [B, D], codes [B], cluster_size [K])."""
+    L, B, D = _levels(x)
+    K = cluster_size.shape[-1]
     if check_codes:
         check_index_range("codes", codes, K)
     x = x.contiguous()
@@ -379,8 +385,10 @@ def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=
     has_cnt = counters is not None
     if deterministic:
         stats = torch.empty(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32)
-        sorted_codes, order = torch.sort(codes, dim=1, stable=True)
-        bounds = torch.arange(K + 1, device=x.device, dtype=sorted_codes.dtype).expand(L, K + 1).contiguous()
+        sorted_codes, order = torch.sort(codes, dim=-1, stable=True)
+        bounds = torch.arange(K + 1, device=x.device, dtype=sorted_codes.dtype)
+        if codes.dim() == 2:
+            bounds = bounds.expand(L, K + 1).contiguous()
         seg = torch.searchsorted(sorted_codes, bounds)
         launch(_vq_ema_segment_kernel, (K, L),
                (x, order, seg, stats, cluster_size, counters, L * K, L * K * D, B, K, D),
@@ -399,8 +407,8 @@ def ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay,
     """In-place blend, refresh and restart. ``key``: [L, 4] int64 tensor, or the four key words of
     reference.key_words (the eager path: no key tensor, no launch to draw it). Returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP
     (world > 1), else (None, None)."""
-    L, K, D = codebook.shape
-    B = x.shape[1]
+    L, K, D = _levels(codebook)
+    B = x.shape[-2]
     x = x.contiguous()
     dist = world > 1
     cand = dead = None
@@ -421,7 +429,7 @@ def ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay,
 
 
 def ema_restart(codebook, embed_sum, cand, dead, reset):
-    L, K, D = codebook.shape
+    L, K, D = _levels(codebook)
     block_c = _apply_block_c(K)
     launch(_vq_ema_restart_kernel, (cdiv(K, block_c), L), (codebook, embed_sum, cand.contiguous(), dead.contiguous(), K, D,
            float(reset)), dict(BLOCK_C=block_c, BLOCK_D=_block_d(D, 128)), _APPLY_WARPS)
@@ -548,11 +556,10 @@ def nearest_code(x, codebook, cosine, precision):
     else:
         prec = None  # 16-bit dots: products are exact in fp32 and sums are fp32
     kernel = _nearest_code_fma if prec == "ieee" else _nearest_code_tc
-    grid = lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),)  # noqa: E731
-    kernel[grid](
-        x, codebook, cc, codes, dist, B, K, D, x.stride(0), codebook.stride(0),
-        COSINE=bool(cosine), PRECISION=prec, DOT_DTYPE=_DOT_DTYPES[dot_dtype],
-    )
+    launch_tuned(kernel, lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),),
+                 (x, codebook, cc, codes, dist, B, K, D, x.stride(0), codebook.stride(0)),
+                 dict(COSINE=bool(cosine), PRECISION=prec, DOT_DTYPE=_DOT_DTYPES[dot_dtype]),
+                 (kernel, K, D, bool(cosine), prec, x.dtype, codebook.dtype, x.device))
     return codes, dist
 
 

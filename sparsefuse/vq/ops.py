@@ -172,12 +172,13 @@ def vq_ema_update(
         raise ValueError("semantics='active' with restart_after_steps > 0 needs steps_since_active")
     if restart_after_steps >= _COUNTER_EXACT:
         raise ValueError(f"restart_after_steps must be below 2^24, got {restart_after_steps}")
-    if codebook.dim() == 2:
+    dev = codebook.device
+    if codebook.dim() == 2 and (torch.compiler.is_compiling() or not (dev.type == "cuda" or INTERPRET)):
+        # the registered ops and the references take stacked levels; the launchers take either
         x, codes, codebook, cluster_size, embed_sum = (t.unsqueeze(0) for t in (x, codes, codebook, cluster_size,
                                                                               embed_sum))
         steps_since_active = None if steps_since_active is None else steps_since_active.unsqueeze(0)
-    L, K, D = codebook.shape
-    dev = codebook.device
+    L, K, D = kernels._levels(codebook)
     reset = 0.0 if active else float(threshold if reset_cluster_size is None else reset_cluster_size)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     world, rank = 1, 0
