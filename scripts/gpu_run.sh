@@ -3,7 +3,7 @@
 #   bash scripts/gpu_run.sh "<pytest files>" "<bench families>"
 # Logs, JUnit XML and benchmark results go to $OUT (or ./gpu_out).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-gpu_out}; mkdir -p "$out"
 tests=${1:-tests}; families=${2:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
