@@ -465,8 +465,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
 
     The weight gradient is scattered with fp32 atomics into a zeroed buffer (the output itself for an
     fp32 weight), or, when ``deterministic``, staged as B*K rows and reduced in a fixed order; gv
-    goes through per-D-tile partials summed in a fixed order when deterministic or K <= BLOCK_D,
-    else through atomics.
+    likewise goes through atomics, or per-D-tile partials summed in a fixed order.
     """
     B, K = indices.shape
     F, D = weight.shape
@@ -482,17 +481,14 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     if B > 0 and D > 0:
         cfg = _hier_config(D, weight.element_size(), backward=True)
         grid = _hier_grid(B, D, cfg)
-        # Per-tile partials of gv (stores, summed after) beat atomics by 4-6% (H200, scripts/probe_gv.py);
-        # they take B*K*D/BLOCK_D floats, so they are used where that is at most B*D, or when asked.
-        staged_gv = deterministic or K <= cfg["BLOCK_D"]
-        gv = (torch.empty(grid[1], B, K, device=vals.device, dtype=acc) if staged_gv
+        gv = (torch.empty(grid[1], B, K, device=vals.device, dtype=acc) if deterministic
               else torch.zeros(B, K, device=vals.device, dtype=acc))
         _launch(_hierarchical_sae_bwd_kernel, grid,
             indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, gv,
             B, K, D, F, *_weight_strides(weight), c,
-            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=staged_gv, ACC=_tl_dtype(acc), **cfg,
+            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, ACC=_tl_dtype(acc), **cfg,
         )
-        grad_vals = (gv.sum(0) if staged_gv else gv).to(vals.dtype)
+        grad_vals = (gv.sum(0) if deterministic else gv).to(vals.dtype)
     else:
         grad_vals = torch.zeros(B, K, device=vals.device, dtype=vals.dtype)
         if mode == 2:
