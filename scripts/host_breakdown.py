@@ -1,18 +1,9 @@
 """Host time of the pieces of one eager TopK SAE step (GPU machine; tiny shapes, so the GPU never limits)."""
-import time
 import torch
 import sparsefuse as sf
 from sparsefuse.sae import kernels as kn
+from sparsefuse.bench.harness import host_us
 from sparsefuse.bench.sae import make_inputs
-
-
-def per_call(fn, n=500):
-    for _ in range(30): fn()
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(n): fn()
-    t1 = time.perf_counter(); torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
 
 idx, w, v, b, t = make_inputs(64, 32, 1024, 256, torch.float32, "cuda")
 ps = [w.requires_grad_(), v.requires_grad_(), b.requires_grad_()]
@@ -32,4 +23,4 @@ rows = {
     "hier fwd+bwd": lambda: torch.autograd.grad(sf.hierarchical_sae_loss(idx, w, v, b, t), ps),
 }
 for name, fn in rows.items():
-    print(f"{name:32} {per_call(fn):7.1f} us")
+    print(f"{name:32} {host_us(fn, 500):7.1f} us")

@@ -1,11 +1,12 @@
 """Two probes (GPU): what bounds the hierarchical backward's atomics, and what each host-side op of
 an eager SAE step costs on this machine."""
-import os, time, json
+import os, json
 import torch, triton, triton.language as tl
 from triton.testing import do_bench
 from sparsefuse.sae import kernels as kn
 from sparsefuse.bench.sae import make_inputs
 from sparsefuse._launch import launch
+from sparsefuse.bench.harness import host_us
 
 B, F, D = 4096, 65536, 2304
 
@@ -49,13 +50,6 @@ for k, ms in out.items():
     print(f"{k:40} {ms:.3f} ms")
 
 # Host cost per op (no sync in the loop; tiny tensors so the GPU never limits).
-def per_call(fn, n=2000):
-    for _ in range(50): fn()
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(n): fn()
-    t1 = time.perf_counter(); torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
 x = torch.randn(64, 256, device="cuda"); s = torch.ones((), device="cuda"); ik = torch.randint(0, 1024, (64 * 32,), device="cuda")
 ar = torch.arange(1025, device="cuda")
 host = {
@@ -79,6 +73,6 @@ meta = dict(WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=True, ACC=tl.float32, 
 host["sparsefuse launch (9 args)"] = lambda: launch(kn._sae_weight_grad_kernel, (1024, 1), args, meta, 2)
 host["triton kernel[grid] (9 args)"] = lambda: kn._sae_weight_grad_kernel[(1024, 1)](*args, **meta, num_warps=2)
 for name, fn in host.items():
-    out[f"host {name}"] = per_call(fn)
+    out[f"host {name}"] = host_us(fn, 2000)
     print(f"host {name:32} {out[f'host {name}']:.1f} us")
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "probe.json"), "w"), indent=1)

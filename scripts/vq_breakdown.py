@@ -1,8 +1,8 @@
 """Where one VectorQuantizer training step's time goes at (B, K, D) = (65536, 1024, 128) (GPU):
 device time of each piece (do_bench median) and host enqueue time of each piece."""
-import time
 import torch
 from triton.testing import do_bench
+from sparsefuse.bench.harness import host_us
 from sparsefuse import VectorQuantizer, nearest_code, vq_ema_update
 from sparsefuse.vq.ops import quantize
 
@@ -33,11 +33,7 @@ pieces = {
 for name, fn in pieces.items():
     fn(); fn(); torch.cuda.synchronize()
     ms = do_bench(fn, warmup=50, rep=300)
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(20):
-        fn()
-    t1 = time.perf_counter(); torch.cuda.synchronize()
-    print(f"{name:30} device-bound median {ms * 1e3:7.1f} us   host enqueue {(t1 - t0) / 20 * 1e6:7.1f} us")
+    print(f"{name:30} device-bound median {ms * 1e3:7.1f} us   host enqueue {host_us(fn, 20, 0):7.1f} us")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as p:
     for _ in range(5):
         step()

@@ -1,7 +1,7 @@
 """Re-measure the VectorQuantizer step against vector-quantize-pytorch (merged into $OUT/vq.json,
 which the caller seeds with the committed results) and time the eager EMA update at each benchmark
 shape twice, with its host enqueue time (GPU)."""
-import os, time
+import os
 import torch
 from triton.testing import do_bench
 from sparsefuse.bench import harness, vq as bvq
@@ -18,8 +18,5 @@ for (b, k, d) in bvq.EMA_SHAPES:
         fn = lambda: vq_ema_update(*state, **kw)
         fn(); torch.cuda.synchronize()
         ms = [do_bench(fn, warmup=50, rep=300) for _ in range(2)]
-        t0 = time.perf_counter()
-        for _ in range(50):
-            fn()
-        t1 = time.perf_counter(); torch.cuda.synchronize()
-        print(f"ema {semantics:8} B={b:6} K={k:5} D={d:4}: {ms[0]*1e3:6.1f} / {ms[1]*1e3:6.1f} us, host {(t1-t0)/50*1e6:6.1f} us")
+        print(f"ema {semantics:8} B={b:6} K={k:5} D={d:4}: {ms[0]*1e3:6.1f} / {ms[1]*1e3:6.1f} us, "
+              f"host {harness.host_us(fn, 50, 0):6.1f} us")

@@ -90,6 +90,20 @@ def measure(case: Case, *, warmup_ms: int = 50, rep_ms: int = 300) -> Result:
     )
 
 
+def host_us(fn, n: int = 200, warmup: int = 20) -> float:
+    """Host time to enqueue one call of ``fn`` in microseconds: no synchronisation inside the timed
+    loop, so where the GPU keeps up (tiny shapes) this is the Python, dispatch and launch cost."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
 def _warm_gpu(case, seconds: float = 0.5) -> None:
     """Run ``case`` untimed for a while first: the first case of a process otherwise pays for clocks
     ramping up from idle and lazy initialisation (seen as a 0.7 vs 1.1-1.3 ms spread on the first
