@@ -10,6 +10,8 @@ D, F, K, B = 10, 24, 5, 13
 
 
 def _model(hierarchical, decoder="fused", dtype=torch.float64, **kw):
+    if decoder == "reference":  # the plain PyTorch module: dense encoder gradient too
+        kw.setdefault("encoder", "dense")
     return TopKSAE(D, F, K, hierarchical=hierarchical, decoder=decoder, seed=3, **kw).to(DEVICE, dtype)
 
 
@@ -30,10 +32,12 @@ def test_encode_sorted_and_relu():
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_module_gradients_match_reference(hierarchical, dtype):
-    """Loss parts and every parameter gradient of the fused module equal the reference module's."""
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_module_gradients_match_reference(hierarchical, dtype, encoder):
+    """Loss parts and every parameter gradient of the fused module (fused decoder, K-sparse encoder
+    gradient) equal the reference module's (reference decoder, autograd through the dense encoder)."""
     x = _x(dtype)
-    got, want = _model(hierarchical, "fused", dtype), _model(hierarchical, "reference", torch.float64)
+    got, want = _model(hierarchical, "fused", dtype, encoder=encoder), _model(hierarchical, "reference")
     for m in (got, want):  # some latents dead, so AuxK contributes too
         m.tokens_since_fired[::3] = 10**9
         m.config["dead_tokens"] = 100
@@ -140,6 +144,7 @@ def test_fvu_curve():
     (dict(k=30), "k must be between 1 and n_latents=24"),
     (dict(k=0), "k must be between 1"),
     (dict(decoder="triton"), "decoder must be one of"),
+    (dict(encoder="fused"), "encoder must be one of"),
     (dict(k_aux=99), "k_aux must be between 1 and n_latents=24"),
 ])
 def test_bad_arguments(kw, msg):
@@ -154,7 +159,7 @@ def test_bf16_autocast_matches_reference_gpu(hierarchical):
     torch.manual_seed(0)
     x = torch.randn(512, 256, device="cuda")
     got = TopKSAE(256, 2048, 32, hierarchical=hierarchical, decoder="fused").cuda()
-    want = TopKSAE(256, 2048, 32, hierarchical=hierarchical, decoder="reference").cuda()
+    want = TopKSAE(256, 2048, 32, hierarchical=hierarchical, decoder="reference", encoder="dense").cuda()
     outs = []
     for m in (got, want):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -165,3 +170,96 @@ def test_bf16_autocast_matches_reference_gpu(hierarchical):
     for (name, p), q in zip(got.named_parameters(), want.parameters()):
         assert_close(p.grad, q.grad, torch.bfloat16, f"grad {name}", scale=2)
     assert TOL[torch.bfloat16] > 0
+
+
+# --- the in-place row ops behind normalize_decoder_ / remove_parallel_grad_ ---------------------
+
+
+def _rows(F_, D_, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w, grad = (torch.randn(F_, D_, generator=g, dtype=torch.float64) for _ in range(2))
+    if F_ > 2:
+        w[1] = 0  # a zero row stays zero and leaves its gradient alone
+    return w.to(DEVICE, dtype), grad.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("F_,D_", [(1, 1), (5, 1), (7, 33), (3, 2500), (4, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_row_ops_match_fp64_reference(F_, D_, dtype):
+    from sparsefuse.sae import reference
+    from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
+
+    w, g = _rows(F_, D_, dtype)
+    want_w, want_g = w.double().clone(), g.double().clone()
+    reference.unit_rows_(want_w, None, 1e-12)
+    reference.unit_rows_(w.double(), want_g, 1e-12)
+    got_g = remove_parallel_component_(g.clone(), w)
+    got_w = normalize_rows_(w.clone())
+    assert got_w.dtype == dtype and got_g.dtype == dtype
+    if F_ * D_:
+        assert_close(got_w, want_w, dtype, "normalized rows")
+        # relative to the input gradient: with D = 1 the projection leaves (rounding-level) zeros
+        assert (got_g.double() - want_g).norm() <= TOL[dtype] * g.double().norm()
+        assert (got_g * got_w).sum(1).abs().max() <= TOL[dtype] * g.norm()
+
+
+def test_row_ops_non_contiguous_in_place():
+    from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
+
+    w, g = (t.t().contiguous().t() for t in _rows(6, 9, torch.float32))
+    w0 = w.clone()
+    remove_parallel_component_(g, w)
+    normalize_rows_(w)
+    assert not w.is_contiguous()
+    torch.testing.assert_close(w, w0 / w0.norm(dim=1, keepdim=True).clamp_min(1e-12))
+    assert (g * w).sum(1).abs().max() < 1e-5
+
+
+def test_row_ops_opcheck_and_compile():
+    from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
+
+    w, g = _rows(5, 7, torch.float32)
+    torch.library.opcheck(torch.ops.sparsefuse.normalize_rows_.default, (w.clone(), 1e-12))
+    torch.library.opcheck(torch.ops.sparsefuse.project_rows_.default, (g.clone(), w.clone(), 1e-12))
+
+    def both(w, g):
+        remove_parallel_component_(g, w)
+        normalize_rows_(w)
+        return w.sum() + g.sum()
+
+    eager_w, eager_g, comp_w, comp_g = w.clone(), g.clone(), w.clone(), g.clone()
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(both, fullgraph=True)(comp_w, comp_g), both(eager_w, eager_g))
+    torch.testing.assert_close(comp_w, eager_w)
+    torch.testing.assert_close(comp_g, eager_g)
+
+
+def test_row_ops_bad_input():
+    from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
+
+    w, g = _rows(5, 7, torch.float32)
+    with pytest.raises(ValueError, match=r"weight must have 2 dimensions"):
+        normalize_rows_(w[0])
+    with pytest.raises(TypeError, match=r"weight has dtype int64"):
+        normalize_rows_(w.long())
+    with pytest.raises(ValueError, match=r"grad has shape \(5, 6\); expected \[5, 7\]"):
+        remove_parallel_component_(g[:, :6], w)
+    with pytest.raises(ValueError, match=r"grad is on meta"):
+        remove_parallel_component_(g.to("meta"), w)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
+def test_training_steps_fused_equal_reference_module(hierarchical):
+    """Three Adam steps (projection, renormalisation included): the fused module (fused decoder,
+    sparse encoder gradient, fused row ops) ends with the reference module's weights."""
+    got, want = _model(hierarchical, "fused"), _model(hierarchical, "reference")
+    for m in (got, want):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for step in range(3):
+            m(_x(seed=step)).loss.backward()
+            m.remove_parallel_grad_()
+            opt.step()
+            opt.zero_grad()
+            m.normalize_decoder_()
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        assert_close(p, q, torch.float64, name, scale=1e3)

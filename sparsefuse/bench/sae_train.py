@@ -7,10 +7,15 @@ decoder loss, backward, removal of the decoder-gradient component parallel to ea
 
 Providers (op = loss kind):
 
-* ``sparsefuse``: the module with the fused decoder ops, eager.
-* ``sparsefuse+compile``: the same, its forward under ``torch.compile`` (the ops are opaque to it).
-* ``torch``: the module with the reference decoder (:mod:`sparsefuse.sae.reference`), eager.
-* ``torch.compile``: the module with the reference decoder, its forward under ``torch.compile``.
+* ``sparsefuse``: the module as shipped (fused decoder loss, K-sparse encoder gradient through
+  ``sparse_linear``, fused row ops for the projection and the renormalisation), eager.
+* ``sparsefuse+compile``: the same, its forward and row ops under ``torch.compile`` (the ops are
+  opaque to it).
+* ``sparsefuse-decoder-only``: the fused decoder and row ops, but autograd through the dense encoder
+  (``encoder="dense"``): what the decoder alone buys.
+* ``torch``: the plain PyTorch module (``decoder="reference", encoder="dense"``: reference decoder
+  loss, dense encoder backward, PyTorch projection and renormalisation), eager.
+* ``torch.compile``: the same, its forward, projection and renormalisation under ``torch.compile``.
 
 Rows ``<loss>-decoder`` time the decoder loss alone (forward + backward, sparsefuse ops, same
 shapes): divided by the ``sparsefuse`` step it gives the decoder's share of the step.
@@ -27,30 +32,32 @@ from . import harness
 
 FAMILY = "sae_train"
 LOSSES = ("topk", "hierarchical")
-PROVIDERS = {  # name: (decoder, compile)
-    "sparsefuse": ("fused", False),
-    "sparsefuse+compile": ("fused", True),
-    "torch": ("reference", False),
-    "torch.compile": ("reference", True),
+PROVIDERS = {  # name: (decoder, encoder, compile)
+    "sparsefuse": ("fused", "sparse", False),
+    "sparsefuse+compile": ("fused", "sparse", True),
+    "sparsefuse-decoder-only": ("fused", "dense", False),
+    "torch": ("reference", "dense", False),
+    "torch.compile": ("reference", "dense", True),
 }
 
 
-def make_step(loss, decoder, compiled, B, K, F, D, dtype=torch.bfloat16, device="cuda"):
+def make_step(loss, decoder, encoder, compiled, B, K, F, D, dtype=torch.bfloat16, device="cuda"):
     """Build a TopKSAE training step on random activations; returns ``step()`` (no arguments)."""
     model = TopKSAE(D, F, K, hierarchical=(loss == "hierarchical"), auxk_alpha=0.0, decoder=decoder,
-                    device=device, dtype=dtype)
+                    encoder=encoder, device=device, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=(device != "cpu"))
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(B, D, device=device, generator=g).to(dtype)
-    fwd = torch.compile(model, dynamic=False) if compiled else model
+    wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
+    fwd, project, renorm = wrap(model), wrap(model.remove_parallel_grad_), wrap(model.normalize_decoder_)
 
     def step():
         out = fwd(x, 1.0)
         out.loss.backward()
-        model.remove_parallel_grad_()
+        project()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        model.normalize_decoder_()
+        renorm()
         return out.loss
 
     return step
@@ -75,10 +82,9 @@ def cases(*, quick=False, losses=("hierarchical", "topk")):
     shape = dict(B=B, K=K, F=F, D=D)
 
     def step_case(loss, provider):
-        decoder, compiled = PROVIDERS[provider]
         return harness.Case(
             op=loss, provider=provider, shape=shape, dtype="bf16", mode="full",
-            make=lambda: make_step(loss, decoder, compiled, B, K, F, D),
+            make=lambda: make_step(loss, *PROVIDERS[provider], B, K, F, D),
             flops=6 * B * D * F,  # encoder forward + both backward matmuls
         )
 
@@ -88,7 +94,8 @@ def cases(*, quick=False, losses=("hierarchical", "topk")):
                 harness.Case(op=f"{loss}-decoder", provider="sparsefuse", shape=shape, dtype="bf16", mode="full",
                              make=lambda loss=loss: make_decoder_only(loss, B, K, F, D))]
     for loss in losses:
-        out += [step_case(loss, "torch"), step_case(loss, "sparsefuse+compile")]
+        out += [step_case(loss, "sparsefuse-decoder-only"), step_case(loss, "torch"),
+                step_case(loss, "sparsefuse+compile")]
     return out
 
 
@@ -101,10 +108,13 @@ def shares(results) -> str:
             continue
         dec = by.get((f"{op}-decoder", "sparsefuse", dtype, shape))
         base = by.get((op, "torch.compile", dtype, shape))
+        dec_only = by.get((op, "sparsefuse-decoder-only", dtype, shape))
         best = min(ms, by.get((op, "sparsefuse+compile", dtype, shape), ms))
         txt = f"- {op}, {dtype}, " + " ".join(f"{k}={v}" for k, v in shape) + f": step {ms:.2f} ms"
         if base:
-            txt += f", reference decoder under torch.compile {base:.2f} ms (**{base / best:.2f}×**)"
+            txt += f", plain PyTorch module under torch.compile {base:.2f} ms (**{base / best:.2f}×**)"
+            if dec_only:
+                txt += f"; with the dense encoder backward kept, {dec_only:.2f} ms ({base / dec_only:.2f}×)"
         if dec:
             txt += f"; the fused decoder loss is {dec:.2f} ms, {dec / ms:.0%} of the step"
         lines.append(txt)
@@ -132,8 +142,8 @@ def check(log=print) -> bool:
     ok = True
     for loss in LOSSES:
         weights = []
-        for decoder in ("fused", "reference"):
-            model = TopKSAE(24, 48, 6, hierarchical=(loss == "hierarchical"), decoder=decoder)
+        for decoder, encoder in (("fused", "sparse"), ("reference", "dense")):
+            model = TopKSAE(24, 48, 6, hierarchical=(loss == "hierarchical"), decoder=decoder, encoder=encoder)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
             for _ in range(3):
                 model(x).loss.backward()
@@ -145,37 +155,45 @@ def check(log=print) -> bool:
         err = float((weights[0] - weights[1]).norm() / weights[1].norm())
         good = err < 1e-4
         ok &= good
-        log(f"  {loss:<13} 3 training steps, fused vs reference decoder: weights differ by {err:.2e}  "
+        log(f"  {loss:<13} 3 training steps, fused vs reference module: weights differ by {err:.2e}  "
             f"{'ok' if good else 'FAILED'}")
     return ok
 
 
 def breakdown(B=4096, K=64, F=65536, D=2304, dtype=torch.bfloat16, device="cuda", log=print) -> dict:
-    """Milliseconds of the parts of a fused step, each timed alone (do_bench medians)."""
+    """Milliseconds of the parts of a step, each timed alone (do_bench medians)."""
     from triton.testing import do_bench
+
+    from ..sae import reference
+    from ..sae.ops import sparse_linear
 
     model = TopKSAE(D, F, K, hierarchical=True, auxk_alpha=0.0, device=device, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     x = torch.randn(B, D, device=device).to(dtype)
     pre = model.pre_acts(x).detach()
+    idx = pre.topk(K, dim=-1).indices
     gvals = torch.randn(B, K, device=device, dtype=dtype)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
 
-    def encoder():
+    def dense_encoder():
         vals, _ = model.pre_acts(x).topk(K, dim=-1, sorted=True)
         vals.backward(gvals)
 
-    def optimiser():
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        model.remove_parallel_grad_()
-        opt.step()
-        model.normalize_decoder_()
+    def sparse_encoder():
+        sparse_linear(x - model.b_dec, model.W_enc, idx, model.b_enc).backward(gvals)
 
     parts = {
         "encoder matmul fwd": lambda: torch.nn.functional.linear(x, model.W_enc, model.b_enc),
         "top-k over [B, F]": lambda: pre.topk(K, dim=-1, sorted=True),
-        "encoder + top-k, fwd + bwd": encoder,
-        "grad projection + Adam + renorm": optimiser,
+        "dense encoder + top-k, fwd + bwd": dense_encoder,
+        "sparse_linear fwd + bwd": sparse_encoder,
+        "projection, fused": lambda: model.remove_parallel_grad_(),
+        "projection, PyTorch": lambda: reference.unit_rows_(model.W_dec, model.W_dec.grad, 1e-12),
+        "projection, PyTorch compiled": torch.compile(lambda: reference.unit_rows_(model.W_dec, model.W_dec.grad, 1e-12)),
+        "Adam (fused)": opt.step,
+        "renormalisation, fused": lambda: model.normalize_decoder_(),
+        "renormalisation, PyTorch": lambda: reference.unit_rows_(model.W_dec, None, 1e-12),
     }
     out = {}
     for name, fn in parts.items():

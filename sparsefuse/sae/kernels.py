@@ -123,33 +123,40 @@ def _sae_decode_fwd_kernel(
 
 
 @triton.jit
-def _sae_decode_bwd_kernel(
+def _sae_row_dot_kernel(
     idx_ptr,  # [B, K] int32 | int64
-    vals_ptr,  # [B, K]
     w_ptr,  # [F, D], strides (stride_wf, stride_wd)
-    grad_ptr,  # [B, D] incoming gradient of recon
-    gv_ptr,  # [B, K] out, vals dtype: <grad_b, w_idx[b, k]>
+    rows_ptr,  # [B, D] contiguous
+    fbias_ptr,  # [F] per-feature bias (HAS_BIAS)
+    out_ptr,  # [B, K] out: <rows_b, w_idx[b, k]> (+ fbias[idx[b, k]]); NaN for an out-of-range index
     K,
     D,
     F,
     stride_wf,
     stride_wd,
+    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """The gather-dot shared by the decode's vals gradient and ``sparse_linear``'s forward."""
     i_b = tl.program_id(0).to(tl.int64)
-    o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_idx = tl.load(idx_ptr + i_b * K + o_k, mask=m_k, other=0).to(tl.int64)  # [BLOCK_K]
+    m_ok = m_k & (b_idx >= 0) & (b_idx < F)
     p_rows = w_ptr + b_idx * stride_wf  # [BLOCK_K]
-    b_gv = tl.zeros([BLOCK_K], dtype=ACC)
+    b_out = tl.zeros([BLOCK_K], dtype=ACC)
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
         b_w = tl.load(p_rows[:, None] + o_d[None, :] * stride_wd, mask=m_ok[:, None] & m_d[None, :], other=0).to(ACC)
-        b_g = tl.load(grad_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
-        b_gv += tl.sum(b_w * b_g[None, :], axis=1)
-    b_gv = tl.where(m_ok, b_gv, float("nan"))
-    tl.store(gv_ptr + i_b * K + o_k, b_gv.to(gv_ptr.dtype.element_ty), mask=m_k)
+        b_x = tl.load(rows_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
+        b_out += tl.sum(b_w * b_x[None, :], axis=1)
+    if HAS_BIAS:
+        b_out += tl.load(fbias_ptr + b_idx, mask=m_ok, other=0).to(ACC)
+    b_out = tl.where(m_ok, b_out, float("nan"))
+    tl.store(out_ptr + i_b * K + o_k, b_out.to(out_ptr.dtype.element_ty), mask=m_k)
 
 
 @triton.jit
@@ -284,12 +291,14 @@ def _sae_weight_grad_kernel(
     rows_ptr,  # [B, D], or [B * K, D] when ROW_PER_ENTRY
     scale_ptr,  # [] device scalar factor (HAS_SCALE)
     gw_ptr,  # [F, D] out
+    wsum_ptr,  # [F] out: sum over entries of feature f of vals[e] (HAS_WSUM; written by the first D tile)
     K,
     D,
     const_scale,
     WEIGHTED: tl.constexpr,
     ROW_PER_ENTRY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_WSUM: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -305,17 +314,64 @@ def _sae_weight_grad_kernel(
     i_start = tl.load(seg_ptr + i_f)
     i_end = tl.load(seg_ptr + i_f + 1)
     b_acc = tl.zeros([BLOCK_D], dtype=ACC)
+    b_wsum = tl.zeros([1], dtype=ACC)
     for i_e in range(i_start, i_end):
         i_ent = tl.load(order_ptr + i_e)
         i_row = i_ent if ROW_PER_ENTRY else i_ent // K
         b_x = tl.load(rows_ptr + i_row * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
         if WEIGHTED:
-            b_x *= tl.load(vals_ptr + i_ent).to(ACC)
+            b_v = tl.load(vals_ptr + i_ent).to(ACC)
+            b_x *= b_v
+            if HAS_WSUM:
+                b_wsum += b_v
         b_acc += b_x
     b_acc *= const_scale
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
     tl.store(gw_ptr + i_f * D + o_d, b_acc.to(gw_ptr.dtype.element_ty), mask=m_d)
+    if HAS_WSUM:
+        tl.store(wsum_ptr + i_f + tl.arange(0, 1), b_wsum, mask=tl.program_id(1) == 0)
+
+
+@triton.jit
+def _unit_rows_kernel(
+    w_ptr,  # [F, D] rows, strides (stride_wf, stride_wd); normalised in place unless PROJECT
+    g_ptr,  # [F, D] gradient, strides (stride_gf, stride_gd); projected in place (PROJECT)
+    D,
+    stride_wf,
+    stride_wd,
+    stride_gf,
+    stride_gd,
+    eps,
+    PROJECT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One row per program. Not PROJECT: w /= max(|w|, eps). PROJECT: g -= (g . w) / max(|w|, eps)^2 * w,
+    the component of g along the row removed. Two sweeps: the reductions, then the update."""
+    i_f = tl.program_id(0).to(tl.int64)
+    p_w = w_ptr + i_f * stride_wf
+    p_g = g_ptr + i_f * stride_gf
+    b_ww = tl.zeros([BLOCK_D], dtype=ACC)
+    b_gw = tl.zeros([BLOCK_D], dtype=ACC)
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_w = tl.load(p_w + o_d * stride_wd, mask=m_d, other=0).to(ACC)
+        b_ww += b_w * b_w
+        if PROJECT:
+            b_gw += tl.load(p_g + o_d * stride_gd, mask=m_d, other=0).to(ACC) * b_w
+    inv = 1 / tl.maximum(tl.sqrt(tl.sum(b_ww, axis=0)), eps)
+    coef = tl.sum(b_gw, axis=0) * inv * inv
+    for i_d in range(0, D, BLOCK_D):
+        o_d = i_d + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_w = tl.load(p_w + o_d * stride_wd, mask=m_d, other=0).to(ACC)
+        if PROJECT:
+            b_g = tl.load(p_g + o_d * stride_gd, mask=m_d, other=0).to(ACC)
+            tl.store(p_g + o_d * stride_gd, (b_g - coef * b_w).to(g_ptr.dtype.element_ty), mask=m_d)
+        else:
+            tl.store(p_w + o_d * stride_wd, (b_w * inv).to(w_ptr.dtype.element_ty), mask=m_d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,44 +413,95 @@ def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Te
 
 
 def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None, const_scale=1.0,
-                row_per_entry=False):
+                row_per_entry=False, wsum=None):
     """Segmented sum: out[f] = const_scale * scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
 
     ``row(e) = e // K`` (rows is [B, D]) or ``e`` (``row_per_entry``, rows is [B * K, D]).
     ``entry_weights`` is ``vals`` ([B, K]) or None for weight 1. ``scale`` is an optional device scalar.
-    Entries are sorted stably by feature, so the sum order, and the result, is fixed run to run.
+    ``wsum``: optional [F] output that receives sum_{e: indices.flat[e] == f} w[e] (unscaled) in the
+    same pass. Entries are sorted stably by feature, so the sum order, and the result, is fixed run to run.
     """
     B, K = indices.shape
     D = rows.shape[-1]
     out = torch.empty(num_features, D, device=rows.device, dtype=out_dtype)
-    if num_features == 0 or D == 0:
+    if num_features == 0 or (D == 0 and wsum is None):
         return out
     keys = indices.reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
-    grid = (num_features, triton.cdiv(D, _SEG_BLOCK_D))
+    grid = (num_features, max(triton.cdiv(D, _SEG_BLOCK_D), 1))
     _launch(_sae_weight_grad_kernel, grid,
         seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
-        K, D, const_scale,
+        wsum, K, D, const_scale,
         WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
-        ACC=_tl_dtype(acc_dtype(rows)), BLOCK_D=_SEG_BLOCK_D, num_warps=_SEG_WARPS,
+        HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc_dtype(rows, entry_weights)), BLOCK_D=_SEG_BLOCK_D,
+        num_warps=_SEG_WARPS,
     )
     return out
 
 
-def decode_bwd(grad, indices, vals, weight, need_weight_grad):
-    """(grad_vals [B, K] vals dtype, grad_weight [F, D] weight dtype or [0], grad_bias [D] ACC)."""
+def row_dot(indices, weight, rows, fbias, out_dtype, acc):
+    """out[b, k] = <rows[b], weight[indices[b, k]]> (+ fbias[indices[b, k]]), [B, K] in ``out_dtype``."""
     B, K = indices.shape
     F, D = weight.shape
+    out = torch.empty(B, K, device=rows.device, dtype=out_dtype)
+    if B > 0:
+        _launch(_sae_row_dot_kernel, (B,),
+            indices.contiguous(), weight, rows.contiguous(), fbias, out, K, D, F, *_weight_strides(weight),
+            HAS_BIAS=fbias is not None, ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
+        )
+    return out
+
+
+def sparse_linear_fwd(x, weight, indices, bias):
+    """[B, K] in promote(x, weight, bias): the selected entries of F.linear(x, weight, bias)."""
+    check_index_range("indices", indices, weight.shape[0])
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if bias is not None:
+        out_dtype = torch.promote_types(out_dtype, bias.dtype)
+        bias = bias.contiguous()
+    return row_dot(indices, weight, x, bias, out_dtype, acc_dtype(x, weight, bias))
+
+
+def sparse_linear_bwd(grad, x, indices, weight, need_x, need_weight, need_bias):
+    """(grad_x [B, D] x dtype or [0], grad_weight [F, D] weight dtype or [0], grad_bias [F] ACC or [0]).
+
+    grad_x is the sparse embedding bag of ``grad`` over ``weight``; grad_weight[f] = sum over the
+    entries of feature f of grad[b, k] * x[b], and grad_bias[f] the sum of those grad[b, k], both
+    from one segmented pass over the entries sorted by feature (deterministic, no atomics)."""
+    F, D = weight.shape
+    check_index_range("indices", indices, F)
+    acc = acc_dtype(grad, x, weight)
+    grad_x = decode_fwd(indices, grad, weight, None).to(x.dtype) if need_x else x.new_empty(0)
+    grad_bias = torch.empty(F if need_bias else 0, device=x.device, dtype=acc)
+    grad_weight = weight.new_empty(0)
+    if need_weight or need_bias:
+        rows = x if need_weight else x[:, :0]  # bias alone: the same pass with no columns
+        gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=grad_bias if need_bias else None)
+        if need_weight:
+            grad_weight = gw
+    return grad_x, grad_weight, grad_bias
+
+
+def unit_rows_(weight, grad, eps):
+    """In place: ``weight`` rows scaled to unit norm (grad None), or the component of each ``grad``
+    row along its ``weight`` row removed."""
+    F, D = weight.shape
+    if F == 0 or D == 0:
+        return
+    g = weight if grad is None else grad
+    _launch(_unit_rows_kernel, (F,), weight, g, D, *_weight_strides(weight), *_weight_strides(g), float(eps),
+            PROJECT=grad is not None, ACC=_tl_dtype(acc_dtype(weight, grad)),
+            BLOCK_D=min(triton.next_power_of_2(D), 1024), num_warps=4)
+
+
+def decode_bwd(grad, indices, vals, weight, need_weight_grad):
+    """(grad_vals [B, K] vals dtype, grad_weight [F, D] weight dtype or [0], grad_bias [D] ACC)."""
+    F = weight.shape[0]
     check_index_range("indices", indices, F)
     acc = acc_dtype(vals, weight, grad)
     grad = grad.contiguous()
-    grad_vals = torch.empty(B, K, device=vals.device, dtype=vals.dtype)
-    if B > 0:
-        _launch(_sae_decode_bwd_kernel, (B,),
-            indices.contiguous(), vals.contiguous(), weight, grad, grad_vals, K, D, F, *_weight_strides(weight),
-            ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
-        )
+    grad_vals = row_dot(indices, weight, grad, None, vals.dtype, acc)
     grad_bias = grad.to(acc).sum(0)
     grad_weight = (weight_grad(indices, grad, vals, F, weight.dtype) if need_weight_grad
                    else weight.new_empty(0))

@@ -1,4 +1,5 @@
-"""``TopKSAE``: a TopK / HierarchicalTopK sparse autoencoder whose decoder runs through the fused ops.
+"""``TopKSAE``: a TopK / HierarchicalTopK sparse autoencoder whose decoder runs through the fused ops
+and whose encoder gets a K-sparse gradient (:func:`sparsefuse.sparse_linear`).
 
 Shapes: ``x [B, D]`` activations, ``W_enc [F, D]``, ``b_enc [F]``, ``W_dec [F, D]`` (one unit-norm
 dictionary row per latent), ``b_dec [D]``; ``indices [B, K]`` int64 and ``vals [B, K]`` the K active
@@ -27,12 +28,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import reference
-from .ops import hierarchical_sae_loss, sae_decode, topk_sae_loss
+from .ops import (hierarchical_sae_loss, normalize_rows_, remove_parallel_component_, sae_decode, sparse_linear,
+                  topk_sae_loss)
 
 DECODERS = {
     "fused": (topk_sae_loss, hierarchical_sae_loss),
     "reference": (reference.topk_sae_loss, reference.hierarchical_sae_loss),
 }
+ENCODERS = ("sparse", "dense")  # how forward() differentiates the encoder (see TopKSAE)
 
 
 class SAEOutput(NamedTuple):
@@ -73,6 +76,11 @@ class TopKSAE(nn.Module):
         dead_tokens: a latent is dead once it has not fired for this many training tokens.
         decoder: ``"fused"`` (the sparsefuse ops) or ``"reference"`` (the plain PyTorch math of
             :mod:`sparsefuse.sae.reference`, for comparisons and benchmarks).
+        encoder: how the encoder's gradient is computed in :meth:`forward`. ``"sparse"``: the
+            dense product ``x @ W_enc.T`` only chooses the latents (no autograd graph); the K
+            chosen ones are recomputed through :func:`sparsefuse.sparse_linear`, whose backward
+            costs O(B*K*D) instead of two dense [B, F] matmuls. ``"dense"``: autograd through the
+            dense product and ``topk`` (the plain PyTorch way). Same values and gradients.
         seed: seed of the initialisation (the global RNG is left alone).
 
     Initialisation: encoder rows uniform in ``[-1/sqrt(D), 1/sqrt(D)]``, decoder = the encoder's
@@ -92,6 +100,7 @@ class TopKSAE(nn.Module):
         k_aux: Optional[int] = None,
         dead_tokens: int = 10_000_000,
         decoder: str = "fused",
+        encoder: str = "sparse",
         seed: int = 0,
         device=None,
         dtype=None,
@@ -103,15 +112,18 @@ class TopKSAE(nn.Module):
             raise ValueError(f"k must be between 1 and n_latents={n_latents}, got k={k}")
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {sorted(DECODERS)}, got {decoder!r}")
+        if encoder not in ENCODERS:
+            raise ValueError(f"encoder must be one of {list(ENCODERS)}, got {encoder!r}")
         self.config = dict(
             d_model=d_model, n_latents=n_latents, k=k, hierarchical=hierarchical,
             normalize_decoder=normalize_decoder, auxk_alpha=auxk_alpha,
             k_aux=min(d_model // 2, n_latents) if k_aux is None else k_aux, dead_tokens=dead_tokens, decoder=decoder,
+            encoder=encoder,
         )
         if not 1 <= self.config["k_aux"] <= n_latents:
             raise ValueError(f"k_aux must be between 1 and n_latents={n_latents}, got {self.config['k_aux']}")
         self.d_model, self.n_latents, self.k, self.hierarchical = d_model, n_latents, k, hierarchical
-        self.decoder = decoder
+        self.decoder, self.encoder = decoder, encoder
         g = torch.Generator().manual_seed(seed)
         bound = 1 / math.sqrt(d_model)
         w = (torch.rand(n_latents, d_model, generator=g) * 2 - 1) * bound
@@ -157,8 +169,15 @@ class TopKSAE(nn.Module):
                 (so data-parallel training matches one process exactly).
         """
         topk_loss, hier_loss = DECODERS[self.decoder]
-        pre = self.pre_acts(x)
-        vals, indices = pre.topk(self.k, dim=-1, sorted=True)
+        xc = x - self.b_dec.to(x.dtype)
+        if self.encoder == "dense":
+            pre = F.relu(F.linear(xc, self.W_enc, self.b_enc))
+            vals, indices = pre.topk(self.k, dim=-1, sorted=True)
+        else:  # the dense product only selects; ReLU would not change which latents end up nonzero
+            with torch.no_grad():
+                pre = F.linear(xc, self.W_enc, self.b_enc)
+            indices = pre.topk(self.k, dim=-1, sorted=True).indices
+            vals = F.relu(sparse_linear(xc, self.W_enc, indices, self.b_enc))
         if variance is None:
             xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
             variance = (xf - xf.mean(0)).square().mean().clamp_min(1e-30)
@@ -166,15 +185,17 @@ class TopKSAE(nn.Module):
         recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x) / variance
         auxk_loss = recon_loss.new_zeros(())
         if self.training and self.config["auxk_alpha"] > 0:
-            auxk_loss = self._auxk_loss(x, pre, indices, vals, topk_loss)
+            auxk_loss = self._auxk_loss(x, xc, pre, indices, vals, topk_loss)
         loss = recon_loss + self.config["auxk_alpha"] * auxk_loss
         return SAEOutput(loss, recon_loss, auxk_loss, indices, vals)
 
-    def _auxk_loss(self, x, pre, indices, vals, topk_loss):
+    def _auxk_loss(self, x, xc, pre, indices, vals, topk_loss):
         dead = self.dead_mask()
         with torch.no_grad():
             resid = (x - self.decode(indices, vals).to(x.dtype)).detach()  # [B, D]
         aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
+        if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
+            aux_vals = F.relu(sparse_linear(xc, self.W_enc, aux_idx, self.b_enc)) * dead[aux_idx].to(aux_vals.dtype)
         mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
         scale = _global_mean(resid.float().square().mean()).clamp_min(1e-30)
         return torch.where(dead.any(), mse / scale, mse.new_zeros(()))
@@ -195,16 +216,19 @@ class TopKSAE(nn.Module):
     def normalize_decoder_(self) -> None:
         """Scale every decoder row to unit norm (call after each optimiser step)."""
         if self.config["normalize_decoder"]:
-            self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))
+            if self.decoder == "reference":
+                reference.unit_rows_(self.W_dec, None, 1e-12)
+            else:  # one fused pass
+                normalize_rows_(self.W_dec)
 
     @torch.no_grad()
     def remove_parallel_grad_(self) -> None:
         """Remove from ``W_dec.grad`` the component parallel to each (unit-norm) row (call before the step)."""
         if self.config["normalize_decoder"] and self.W_dec.grad is not None:
-            w = self.W_dec.float()
-            w = w / w.norm(dim=1, keepdim=True).clamp_min(1e-12)
-            g = self.W_dec.grad.float()
-            self.W_dec.grad.copy_(g - (g * w).sum(1, keepdim=True) * w)
+            if self.decoder == "reference":
+                reference.unit_rows_(self.W_dec, self.W_dec.grad, 1e-12)
+            else:  # one fused pass over W_dec and its gradient
+                remove_parallel_component_(self.W_dec.grad, self.W_dec)
 
     # --- evaluation ----------------------------------------------------------------------------
 
@@ -255,7 +279,8 @@ class TopKSAE(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "hierarchical" if self.hierarchical else "topk"
-        return f"d_model={self.d_model}, n_latents={self.n_latents}, k={self.k}, loss={kind}, decoder={self.decoder}"
+        return (f"d_model={self.d_model}, n_latents={self.n_latents}, k={self.k}, loss={kind}, "
+                f"decoder={self.decoder}, encoder={self.encoder}")
 
 
 def powers_of_two_upto(k: int) -> list:

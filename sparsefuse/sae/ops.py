@@ -96,6 +96,88 @@ def sae_decode(indices: Tensor, vals: Tensor, weight: Tensor, bias: Optional[Ten
     return _decode_op(indices, vals, weight, bias)
 
 
+# --- sparse_linear (the encoder side) -------------------------------------------------------
+
+
+def _check_linear_inputs(x, weight, indices, bias):
+    check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
+    F, D = weight.shape
+    if F < 1:
+        raise ValueError(f"weight must have at least one row (F >= 1), got shape {tuple(weight.shape)}")
+    dev = weight.device
+    check_tensor("x", x, shape=(None, D), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("indices", indices, shape=(x.shape[0], None), dtypes=INDEX_DTYPES, device=dev)
+    if indices.shape[1] < 1:
+        raise ValueError(f"indices must have at least one column (K >= 1), got shape {tuple(indices.shape)}")
+    check_tensor("bias", bias, shape=(F,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
+
+
+def _linear_fake(x, weight, indices, bias):
+    dt = torch.promote_types(x.dtype, weight.dtype)
+    return x.new_empty(indices.shape, dtype=dt if bias is None else torch.promote_types(dt, bias.dtype))
+
+
+def _linear_bwd_fake(grad, x, indices, weight, need_x, need_weight, need_bias):
+    acc = reference.acc_dtype(grad, x, weight)
+    return (x.new_empty(x.shape if need_x else (0,)), weight.new_empty(weight.shape if need_weight else (0,)),
+            x.new_empty(weight.shape[0] if need_bias else 0, dtype=acc))
+
+
+@register_op("sparse_linear_bwd", fake=_linear_bwd_fake, reference=reference.sparse_linear_bwd)
+def _linear_bwd_op(
+    grad: Tensor, x: Tensor, indices: Tensor, weight: Tensor, need_x: bool, need_weight: bool, need_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels.sparse_linear_bwd(grad, x, indices, weight, need_x, need_weight, need_bias)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, indices, bias = inputs
+    ctx.save_for_backward(x, indices, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_backward(ctx, grad):
+    x, indices, weight = ctx.saved_tensors
+    need_x, need_weight, _, need_bias = ctx.needs_input_grad
+    gx, gw, gb = _linear_bwd_op(grad, x, indices, weight, need_x, need_weight, need_bias)
+    return (gx if need_x else None, gw if need_weight else None, None,
+            gb.to(ctx.bias_dtype) if need_bias else None)
+
+
+@register_op("sparse_linear", fake=_linear_fake, reference=reference.sparse_linear_fwd,
+             backward=_linear_backward, setup_context=_linear_setup)
+def _linear_op(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return kernels.sparse_linear_fwd(x, weight, indices, bias)
+
+
+def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """The K selected outputs per row of ``F.linear(x, weight, bias)``, with a K-sparse backward.
+
+    ``out[b, k] = sum_d x[b, d] * weight[indices[b, k], d] + bias[indices[b, k]]``
+
+    A TopK SAE encoder computes ``x @ W_enc.T`` densely to choose its latents, but only the K chosen
+    ones get a gradient. Recomputing them through this op (the dense product under ``no_grad``)
+    replaces the two dense ``[B, F]`` backward matmuls by work proportional to B*K*D:
+
+    * ``grad_x[b] = sum_k g[b, k] * weight[indices[b, k]]`` (the embedding bag of :func:`sae_decode`),
+    * ``grad_weight[f] = sum_{(b, k): indices[b, k] = f} g[b, k] * x[b]`` and
+      ``grad_bias[f] = sum_{(b, k): indices[b, k] = f} g[b, k]``, one segmented pass over the entries
+      sorted by feature: deterministic, no atomics, each gradient row written once.
+
+    Args:
+        x: ``[B, D]`` inputs.
+        weight: ``[F, D]`` (an ``nn.Linear(D, F)`` weight).
+        indices: ``[B, K]`` int32/int64 in ``[0, F)``.
+        bias: ``[F]`` or None.
+
+    Returns:
+        ``[B, K]`` in ``promote_types(x, weight[, bias])``, accumulated in float32 (float64 for
+        float64 inputs). Gradients for x, weight and bias come back in their dtypes.
+    """
+    _check_linear_inputs(x, weight, indices, bias)
+    return _linear_op(x, weight, indices, bias)
+
+
 # --- topk_sae_loss ---------------------------------------------------------------------------
 
 
@@ -246,3 +328,40 @@ def hierarchical_sae_loss(
     """
     _check_inputs(indices, weight, vals, bias, target)
     return _hier_op(indices, weight, vals, bias, target, _use_deterministic(deterministic))[0]
+
+
+# --- unit-norm decoder rows (in place; the training loop calls them around the optimiser step) ---
+
+
+def _no_output(*args):
+    return None
+
+
+@register_op("normalize_rows_", fake=_no_output, reference=lambda weight, eps: reference.unit_rows_(weight, None, eps),
+             mutates_args=("weight",))
+def _normalize_op(weight: Tensor, eps: float) -> None:
+    kernels.unit_rows_(weight, None, eps)
+
+
+@register_op("project_rows_", fake=_no_output, reference=lambda grad, weight, eps: reference.unit_rows_(weight, grad, eps),
+             mutates_args=("grad",))
+def _project_op(grad: Tensor, weight: Tensor, eps: float) -> None:
+    kernels.unit_rows_(weight, grad, eps)
+
+
+def normalize_rows_(weight: Tensor, eps: float = 1e-12) -> Tensor:
+    """In place ``weight[f] /= max(||weight[f]||, eps)`` for every row of ``[F, D]`` ``weight``; one
+    read and one write of it (norm in float32, float64 for float64). Returns ``weight``."""
+    check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
+    _normalize_op(weight, float(eps))
+    return weight
+
+
+def remove_parallel_component_(grad: Tensor, weight: Tensor, eps: float = 1e-12) -> Tensor:
+    """In place ``grad[f] -= (grad[f] . u_f) u_f`` with ``u_f = weight[f] / max(||weight[f]||, eps)``:
+    the gradient of a row kept at unit norm loses its radial part. ``grad`` and ``weight`` are
+    ``[F, D]``; one read of each and one write of ``grad``. Returns ``grad``."""
+    check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
+    check_tensor("grad", grad, shape=tuple(weight.shape), dtypes=FLOAT_DTYPES, device=weight.device)
+    _project_op(grad, weight, float(eps))
+    return grad

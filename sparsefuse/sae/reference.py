@@ -50,6 +50,15 @@ def hierarchical_sae_loss(indices, weight, vals, bias, target):
     return prefix.square().sum() / max(prefix.numel(), 1)
 
 
+def sparse_linear(x, weight, indices, bias=None):
+    """out[b, k] = x[b] . weight[indices[b, k]] + bias[indices[b, k]]: the K selected entries of
+    ``F.linear(x, weight, bias)`` per row, ``[B, K]`` in the promoted dtype."""
+    rows = weight[indices.long()]  # [B, K, D]
+    dt = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.einsum("bd,bkd->bk", x.to(dt), rows.to(dt))
+    return out if bias is None else out + bias[indices.long()]
+
+
 def _scatter_rows(indices, rows, num_features):
     """grad[f] = sum of rows[e] over entries e with indices.flat[e] == f (rows: [B*K, D])."""
     out = rows.new_zeros(num_features, rows.shape[-1])
@@ -130,3 +139,39 @@ def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, et
     else:
         grad_weight = weight.new_empty(0)
     return grad_vals, grad_weight, grad_bias
+
+
+def sparse_linear_fwd(x, weight, indices, bias):
+    dt = acc_dtype(x, weight, bias)
+    out = torch.einsum("bd,bkd->bk", x.to(dt), weight[indices.long()].to(dt))
+    if bias is not None:
+        out = out + bias[indices.long()].to(dt)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    return out.to(out_dtype if bias is None else torch.promote_types(out_dtype, bias.dtype))
+
+
+def sparse_linear_bwd(grad, x, indices, weight, need_x, need_weight, need_bias):
+    dt = acc_dtype(grad, x, weight)
+    g = grad.to(dt)
+    F = weight.shape[0]
+    grad_x = (torch.einsum("bk,bkd->bd", g, weight[indices.long()].to(dt)).to(x.dtype) if need_x
+              else x.new_empty(0))
+    grad_weight = weight.new_empty(0)
+    if need_weight:
+        per_entry = (g.unsqueeze(-1) * x.to(dt).unsqueeze(1)).reshape(-1, x.shape[-1])
+        grad_weight = _scatter_rows(indices, per_entry, F).to(weight.dtype)
+    grad_bias = g.new_zeros(F).index_add_(0, indices.reshape(-1).long(), g.reshape(-1)) if need_bias else g.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+def unit_rows_(weight, grad, eps):
+    """In place: weight rows scaled to unit norm (grad None), or grad rows minus their component
+    along the weight rows; arithmetic in acc_dtype."""
+    dt = acc_dtype(weight, grad)
+    w = weight.to(dt)
+    w = w / w.norm(dim=1, keepdim=True).clamp_min(eps)
+    if grad is None:
+        weight.copy_(w)
+    else:
+        g = grad.to(dt)
+        grad.copy_(g - (g * w).sum(1, keepdim=True) * w)

@@ -1,0 +1,250 @@
+"""sparse_linear: the K selected outputs of F.linear with a K-sparse backward (the SAE encoder side).
+
+CPU tier: the Triton kernels under the interpreter (conftest), float32 and float64, small grids.
+GPU tier (-m gpu): every dtype at real sizes, F*D > 2^31, bit-identity.
+"""
+
+import pytest
+import torch
+
+import sparsefuse
+from sparsefuse.sae import reference as ref
+
+from helpers import DEVICE, assert_close
+
+SHAPES = [  # (B, K, F, D); K = 50 > F = 5 repeats latents within a row
+    pytest.param(1, 1, 5, 1, id="B1-K1-F5-D1"),
+    pytest.param(3, 3, 5, 100, id="B3-K3-F5-D100"),
+    pytest.param(13, 50, 5, 1, id="B13-K50-F5-D1"),
+    pytest.param(37, 3, 64, 100, id="B37-K3-F64-D100"),
+]
+
+
+def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, D, generator=g, dtype=torch.float64)
+    weight = torch.randn(F, D, generator=g, dtype=torch.float64)
+    b = torch.randn(F, generator=g, dtype=torch.float64) if bias else None
+    idx = torch.randint(0, F, (B, K), generator=g).to(index_dtype)
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return to(x), to(weight), idx.to(device), to(b)
+
+
+def value_and_grads(fn, x, weight, idx, bias):
+    """The output and the grads wrt x, weight (and bias) under a fixed random incoming gradient."""
+    params = [p.detach().clone().requires_grad_() for p in (x, weight, bias) if p is not None]
+    out = fn(params[0], params[1], idx, params[2] if bias is not None else None)
+    gen = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=out.device, dtype=out.dtype)
+    return [out] + list(torch.autograd.grad(out, params, grad_out))
+
+
+def check_against_fp64(x, weight, idx, bias, dtype):
+    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
+    want = value_and_grads(ref.sparse_linear, *(None if t is None else t.double() for t in (x, weight)), idx,
+                           None if bias is None else bias.double())
+    for name, a, b in zip(["value", "grad_x", "grad_weight", "grad_bias"], got, want):
+        assert_close(a, b, dtype, f"sparse_linear {name}")
+    for g, p in zip(got[1:], (x, weight, bias)):
+        assert g.dtype == p.dtype  # each gradient in its parameter's dtype
+
+
+@pytest.mark.parametrize("B,K,F,D", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_fp64_reference(B, K, F, D, dtype):
+    check_against_fp64(*make(B, K, F, D, dtype), dtype)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_index_dtypes_and_optional_bias(index_dtype, bias):
+    check_against_fp64(*make(5, 4, 7, 33, torch.float32, index_dtype=index_dtype, bias=bias), torch.float32)
+
+
+def test_non_contiguous_inputs():
+    x, weight, idx, bias = make(6, 4, 9, 20, torch.float32)
+    x_nc = torch.cat([x, x], dim=1)[:, ::2]
+    weight_t = weight.t().contiguous().t()  # column-major [F, D] view
+    idx_nc = torch.cat([idx, idx], dim=1)[:, ::2]
+    bias_nc = torch.cat([bias, bias])[::2]
+    assert not any(t.is_contiguous() for t in (x_nc, weight_t, idx_nc, bias_nc))
+    check_against_fp64(x_nc, weight_t, idx_nc, bias_nc, torch.float32)
+
+
+def test_matches_selected_entries_of_dense_linear():
+    x, weight, idx, bias = make(7, 5, 11, 30, torch.float64)
+    dense = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(sparsefuse.sparse_linear(x, weight, idx, bias), dense.gather(1, idx))
+
+
+def test_gradients_equal_dense_linear_through_gather():
+    """The K-sparse backward is the dense backward when only the gathered entries carry gradient."""
+    x, weight, idx, bias = make(6, 3, 8, 12, torch.float64)
+    dense = value_and_grads(lambda x, w, i, b: torch.nn.functional.linear(x, w, b).gather(1, i), x, weight, idx, bias)
+    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
+    for a, b in zip(got, dense):
+        torch.testing.assert_close(a, b)
+
+
+def test_empty_batch():
+    x, weight, idx, bias = make(0, 3, 5, 8, torch.float32)
+    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
+    assert got[0].shape == (0, 3) and got[1].shape == (0, 8)
+    for g in got[2:]:
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_only_some_gradients():
+    x, weight, idx, bias = make(5, 3, 6, 9, torch.float64)
+    w = weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_()
+    gb, = torch.autograd.grad(sparsefuse.sparse_linear(x, weight, idx, b).sum(), [b])
+    torch.testing.assert_close(gb, torch.zeros_like(gb).index_add_(0, idx.reshape(-1), torch.ones(idx.numel(),
+                                                                                                 dtype=gb.dtype)))
+    gw, = torch.autograd.grad(sparsefuse.sparse_linear(x, w, idx, bias).sum(), [w])
+    want, = torch.autograd.grad(ref.sparse_linear(x, w, idx, bias).sum(), [w])
+    torch.testing.assert_close(gw, want)
+
+
+def test_non_finite_values_propagate():
+    x, weight, idx, bias = make(4, 3, 6, 5, torch.float32)
+    x[2, 1] = float("inf")
+    out = sparsefuse.sparse_linear(x, weight, idx, bias)
+    assert not torch.isfinite(out[2]).any() and torch.isfinite(out[[0, 1, 3]]).all()
+
+
+def test_deterministic_bit_identical():
+    args = make(40, 6, 7, 50, torch.float32)
+    a = value_and_grads(sparsefuse.sparse_linear, *args)
+    b = value_and_grads(sparsefuse.sparse_linear, *args)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+# --- registration: opcheck, gradcheck, torch.compile ------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_opcheck(bias):
+    x, weight, idx, b = make(3, 2, 4, 5, torch.float32, bias=bias)
+    for t in (x, weight, b):
+        if t is not None:
+            t.requires_grad_()
+    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b))
+
+
+def test_gradcheck_fp64():
+    x, weight, idx, bias = make(3, 3, 4, 5, torch.float64)
+    params = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    assert torch.autograd.gradcheck(lambda x, w, b: sparsefuse.sparse_linear(x, w, idx, b), params, eps=1e-6,
+                                    atol=1e-7)
+
+
+def test_torch_compile_fullgraph_parity():
+    x, weight, idx, bias = make(5, 3, 6, 8, torch.float32)
+
+    def step(x, w, b):
+        return sparsefuse.sparse_linear(x, w, idx, b).square().sum()
+
+    eager = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    comp = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    torch._dynamo.reset()
+    le, lc = step(*eager), torch.compile(step, fullgraph=True)(*comp)
+    le.backward()
+    lc.backward()
+    torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-6)
+    for a, b in zip(comp, eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: a.update(x=a["x"][0]), ValueError, r"x must have 2 dimensions"),
+        (lambda a: a.update(x=a["x"][:, :3]), ValueError, r"x has shape \(4, 3\); expected \[\*, 5\]"),
+        (lambda a: a.update(x=a["x"].long()), TypeError, r"x has dtype int64"),
+        (lambda a: a.update(weight=a["weight"][None]), ValueError, r"weight must have 2 dimensions"),
+        (lambda a: a.update(weight=a["weight"][:0]), ValueError, r"F >= 1"),
+        (lambda a: a.update(indices=a["indices"][:2]), ValueError, r"indices has shape \(2, 3\); expected \[4, \*\]"),
+        (lambda a: a.update(indices=a["indices"][:, :0]), ValueError, r"K >= 1"),
+        (lambda a: a.update(indices=a["indices"].float()), TypeError, r"indices has dtype float32"),
+        (lambda a: a.update(bias=a["bias"][:3]), ValueError, r"bias has shape \(3,\); expected \[6\]"),
+        (lambda a: a.update(x=a["x"].to("meta")), ValueError, r"x is on meta"),
+        (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
+        (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
+    ],
+    ids=["x-rank", "x-width", "x-dtype", "w-rank", "F0", "idx-rows", "K0", "idx-dtype", "bias-shape", "device",
+         "idx-high", "idx-negative"],
+)
+def test_bad_input_errors(mutate, exc, match):
+    x, weight, idx, bias = make(4, 3, 6, 5, torch.float32)
+    a = dict(x=x, weight=weight, indices=idx, bias=bias)
+    mutate(a)
+    sparsefuse.set_index_checks(True)  # on a GPU the range check is opt-in
+    try:
+        with pytest.raises(exc, match=match):
+            sparsefuse.sparse_linear(a["x"], a["weight"], a["indices"], a["bias"])
+    finally:
+        sparsefuse.set_index_checks(None)
+
+
+def test_unchecked_out_of_range_indices_poison_with_nan():
+    """With the host check off, a bad index never reads out of bounds: its output is NaN."""
+    x, weight, idx, bias = make(4, 3, 6, 5, torch.float32)
+    idx[1, 1] = 1_000_000
+    sparsefuse.set_index_checks(False)
+    try:
+        out = sparsefuse.sparse_linear(x, weight, idx, bias)
+    finally:
+        sparsefuse.set_index_checks(None)
+    assert torch.isnan(out[1, 1]) and torch.isfinite(out[0]).all()
+
+
+# --- GPU tier ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("B,K,F,D", [
+    pytest.param(512, 128, 65536, 2304, id="B512-K128-F65536-D2304"),
+    pytest.param(37, 50, 5, 100, id="B37-K50-F5-D100"),
+    pytest.param(333, 64, 4099, 777, id="B333-K64-F4099-D777"),
+])
+def test_gpu_matches_fp64_reference(dtype, B, K, F, D):
+    check_against_fp64(*make(B, K, F, D, dtype), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_2_31_weight_elements():
+    """F * D > 2^31: row offsets must be 64-bit; compared on the touched rows."""
+    F, D, B, K = 1_100_000, 2000, 64, 32
+    assert F * D > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(F - 5000, F, (B, K), device="cuda", generator=g)
+    idx[:, 0] = torch.arange(B, device="cuda")
+    weight = torch.randn(F, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    bias = torch.randn(F, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(B, D, device="cuda", generator=g).to(torch.bfloat16)
+    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
+    uniq, inv = torch.unique(idx, return_inverse=True)
+    want = value_and_grads(ref.sparse_linear, x.double(), weight[uniq].double(), inv, bias[uniq].double())
+    assert_close(got[0], want[0], torch.bfloat16, "value")
+    assert_close(got[1], want[1], torch.bfloat16, "grad_x")
+    assert_close(got[2][uniq], want[2], torch.bfloat16, "grad_weight (touched rows)")
+    assert_close(got[3][uniq], want[3], torch.bfloat16, "grad_bias (touched rows)")
+    untouched = torch.ones(F, dtype=torch.bool, device="cuda")
+    untouched[uniq] = False
+    assert not got[2][untouched].any() and not got[3][untouched].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_deterministic_bit_identical(dtype):
+    args = make(2048, 64, 8192, 512, dtype)
+    a = value_and_grads(sparsefuse.sparse_linear, *args)
+    b = value_and_grads(sparsefuse.sparse_linear, *args)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
