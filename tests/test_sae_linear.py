@@ -20,32 +20,39 @@ SHAPES = [  # (B, K, F, D); K = 50 > F = 5 repeats latents within a row
 ]
 
 
-def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True, seed=0):
+def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True, shift=True, seed=0):
+    """(x, weight, indices, bias, x_shift)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, D, generator=g, dtype=torch.float64)
     weight = torch.randn(F, D, generator=g, dtype=torch.float64)
     b = torch.randn(F, generator=g, dtype=torch.float64) if bias else None
+    s = torch.randn(D, generator=g, dtype=torch.float64) if shift else None
     idx = torch.randint(0, F, (B, K), generator=g).to(index_dtype)
     to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
-    return to(x), to(weight), idx.to(device), to(b)
+    return to(x), to(weight), idx.to(device), to(b), to(s)
 
 
-def value_and_grads(fn, x, weight, idx, bias):
-    """The output and the grads wrt x, weight (and bias) under a fixed random incoming gradient."""
-    params = [p.detach().clone().requires_grad_() for p in (x, weight, bias) if p is not None]
-    out = fn(params[0], params[1], idx, params[2] if bias is not None else None)
+def value_and_grads(fn, x, weight, idx, bias, shift, frozen=()):
+    """The output and the grads wrt x, weight, bias, x_shift (those given and not ``frozen``) under
+    a fixed random incoming gradient."""
+    args = {n: None if t is None else t.detach().clone().requires_grad_(n not in frozen)
+            for n, t in dict(x=x, weight=weight, bias=bias, shift=shift).items()}
+    out = fn(args["x"], args["weight"], idx, args["bias"], args["shift"])
     gen = torch.Generator().manual_seed(1)
     grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=out.device, dtype=out.dtype)
+    params = [t for t in args.values() if t is not None and t.requires_grad]
     return [out] + list(torch.autograd.grad(out, params, grad_out))
 
 
-def check_against_fp64(x, weight, idx, bias, dtype):
-    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
+def check_against_fp64(x, weight, idx, bias, shift, dtype, frozen=()):
+    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias, shift, frozen)
     want = value_and_grads(ref.sparse_linear, *(None if t is None else t.double() for t in (x, weight)), idx,
-                           None if bias is None else bias.double())
-    for name, a, b in zip(["value", "grad_x", "grad_weight", "grad_bias"], got, want):
+                           *(None if t is None else t.double() for t in (bias, shift)), frozen)
+    names = [n for n, t in dict(x=x, weight=weight, bias=bias, shift=shift).items() if t is not None and n not in frozen]
+    for name, a, b in zip(["value"] + [f"grad_{n}" for n in names], got, want):
         assert_close(a, b, dtype, f"sparse_linear {name}")
-    for g, p in zip(got[1:], (x, weight, bias)):
+    params = [t for n, t in dict(x=x, weight=weight, bias=bias, shift=shift).items() if t is not None and n not in frozen]
+    for g, p in zip(got[1:], params):
         assert g.dtype == p.dtype  # each gradient in its parameter's dtype
 
 
@@ -57,59 +64,62 @@ def test_matches_fp64_reference(B, K, F, D, dtype):
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_index_dtypes_and_optional_bias(index_dtype, bias):
-    check_against_fp64(*make(5, 4, 7, 33, torch.float32, index_dtype=index_dtype, bias=bias), torch.float32)
+@pytest.mark.parametrize("shift", [True, False], ids=["shift", "noshift"])
+def test_index_dtypes_and_optional_inputs(index_dtype, bias, shift):
+    check_against_fp64(*make(5, 4, 7, 33, torch.float32, index_dtype=index_dtype, bias=bias, shift=shift),
+                       torch.float32)
+
+
+@pytest.mark.parametrize("frozen", [("x",), ("x", "weight"), ("x", "bias"), ("weight", "shift"), ("x", "weight", "bias")],
+                         ids=lambda f: "frozen-" + "-".join(f))
+def test_some_inputs_frozen(frozen):
+    """Each subset of gradients on its own; with x frozen, grad_x_shift = -(grad_bias @ weight)."""
+    check_against_fp64(*make(6, 3, 8, 20, torch.float64), torch.float64, frozen=frozen)
 
 
 def test_non_contiguous_inputs():
-    x, weight, idx, bias = make(6, 4, 9, 20, torch.float32)
+    x, weight, idx, bias, shift = make(6, 4, 9, 20, torch.float32)
     x_nc = torch.cat([x, x], dim=1)[:, ::2]
     weight_t = weight.t().contiguous().t()  # column-major [F, D] view
     idx_nc = torch.cat([idx, idx], dim=1)[:, ::2]
     bias_nc = torch.cat([bias, bias])[::2]
-    assert not any(t.is_contiguous() for t in (x_nc, weight_t, idx_nc, bias_nc))
-    check_against_fp64(x_nc, weight_t, idx_nc, bias_nc, torch.float32)
+    shift_nc = torch.cat([shift, shift])[::2]
+    assert not any(t.is_contiguous() for t in (x_nc, weight_t, idx_nc, bias_nc, shift_nc))
+    check_against_fp64(x_nc, weight_t, idx_nc, bias_nc, shift_nc, torch.float32)
+
+
+def _dense(x, w, i, b, s):
+    return torch.nn.functional.linear(x - s, w, b).gather(1, i)
 
 
 def test_matches_selected_entries_of_dense_linear():
-    x, weight, idx, bias = make(7, 5, 11, 30, torch.float64)
-    dense = torch.nn.functional.linear(x, weight, bias)
-    torch.testing.assert_close(sparsefuse.sparse_linear(x, weight, idx, bias), dense.gather(1, idx))
+    x, weight, idx, bias, shift = make(7, 5, 11, 30, torch.float64)
+    torch.testing.assert_close(sparsefuse.sparse_linear(x, weight, idx, bias, shift), _dense(x, weight, idx, bias, shift))
 
 
 def test_gradients_equal_dense_linear_through_gather():
     """The K-sparse backward is the dense backward when only the gathered entries carry gradient."""
-    x, weight, idx, bias = make(6, 3, 8, 12, torch.float64)
-    dense = value_and_grads(lambda x, w, i, b: torch.nn.functional.linear(x, w, b).gather(1, i), x, weight, idx, bias)
-    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
-    for a, b in zip(got, dense):
-        torch.testing.assert_close(a, b)
+    args = make(6, 3, 8, 12, torch.float64)
+    for frozen in ((), ("x",)):
+        got = value_and_grads(sparsefuse.sparse_linear, *args, frozen=frozen)
+        for a, b in zip(got, value_and_grads(_dense, *args, frozen=frozen)):
+            torch.testing.assert_close(a, b)
 
 
 def test_empty_batch():
-    x, weight, idx, bias = make(0, 3, 5, 8, torch.float32)
-    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
+    x, weight, idx, bias, shift = make(0, 3, 5, 8, torch.float32)
+    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias, shift)
     assert got[0].shape == (0, 3) and got[1].shape == (0, 8)
     for g in got[2:]:
         assert torch.equal(g, torch.zeros_like(g))
-
-
-def test_only_some_gradients():
-    x, weight, idx, bias = make(5, 3, 6, 9, torch.float64)
-    w = weight.clone().requires_grad_()
-    b = bias.clone().requires_grad_()
-    gb, = torch.autograd.grad(sparsefuse.sparse_linear(x, weight, idx, b).sum(), [b])
-    torch.testing.assert_close(gb, torch.zeros_like(gb).index_add_(0, idx.reshape(-1), torch.ones(idx.numel(),
-                                                                                                 dtype=gb.dtype)))
-    gw, = torch.autograd.grad(sparsefuse.sparse_linear(x, w, idx, bias).sum(), [w])
-    want, = torch.autograd.grad(ref.sparse_linear(x, w, idx, bias).sum(), [w])
-    torch.testing.assert_close(gw, want)
+    for g in value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias, shift, frozen=("x",))[1:]:
+        assert torch.equal(g, torch.zeros_like(g))
 
 
 def test_non_finite_values_propagate():
-    x, weight, idx, bias = make(4, 3, 6, 5, torch.float32)
+    x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
     x[2, 1] = float("inf")
-    out = sparsefuse.sparse_linear(x, weight, idx, bias)
+    out = sparsefuse.sparse_linear(x, weight, idx, bias, shift)
     assert not torch.isfinite(out[2]).any() and torch.isfinite(out[[0, 1, 3]]).all()
 
 
@@ -124,30 +134,34 @@ def test_deterministic_bit_identical():
 # --- registration: opcheck, gradcheck, torch.compile ------------------------------------------
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_opcheck(bias):
-    x, weight, idx, b = make(3, 2, 4, 5, torch.float32, bias=bias)
-    for t in (x, weight, b):
+@pytest.mark.parametrize("optional", [True, False], ids=["bias-shift", "none"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x-frozen"])
+def test_opcheck(optional, x_grad):
+    x, weight, idx, b, s = make(3, 2, 4, 5, torch.float32, bias=optional, shift=optional)
+    for t in (weight, b, s):
         if t is not None:
             t.requires_grad_()
-    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b))
+    x.requires_grad_(x_grad)
+    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b, s))
 
 
-def test_gradcheck_fp64():
-    x, weight, idx, bias = make(3, 3, 4, 5, torch.float64)
-    params = [t.clone().requires_grad_() for t in (x, weight, bias)]
-    assert torch.autograd.gradcheck(lambda x, w, b: sparsefuse.sparse_linear(x, w, idx, b), params, eps=1e-6,
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x-frozen"])
+def test_gradcheck_fp64(x_grad):
+    x, weight, idx, bias, shift = make(3, 3, 4, 5, torch.float64)
+    x.requires_grad_(x_grad)
+    params = [t.clone().requires_grad_() for t in (weight, bias, shift)]
+    assert torch.autograd.gradcheck(lambda w, b, s: sparsefuse.sparse_linear(x, w, idx, b, s), params, eps=1e-6,
                                     atol=1e-7)
 
 
 def test_torch_compile_fullgraph_parity():
-    x, weight, idx, bias = make(5, 3, 6, 8, torch.float32)
+    x, weight, idx, bias, shift = make(5, 3, 6, 8, torch.float32)
 
-    def step(x, w, b):
-        return sparsefuse.sparse_linear(x, w, idx, b).square().sum()
+    def step(x, w, b, s):
+        return sparsefuse.sparse_linear(x, w, idx, b, s).square().sum()
 
-    eager = [t.clone().requires_grad_() for t in (x, weight, bias)]
-    comp = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    eager = [t.clone().requires_grad_() for t in (x, weight, bias, shift)]
+    comp = [t.clone().requires_grad_() for t in (x, weight, bias, shift)]
     torch._dynamo.reset()
     le, lc = step(*eager), torch.compile(step, fullgraph=True)(*comp)
     le.backward()
@@ -172,32 +186,35 @@ def test_torch_compile_fullgraph_parity():
         (lambda a: a.update(indices=a["indices"][:, :0]), ValueError, r"K >= 1"),
         (lambda a: a.update(indices=a["indices"].float()), TypeError, r"indices has dtype float32"),
         (lambda a: a.update(bias=a["bias"][:3]), ValueError, r"bias has shape \(3,\); expected \[6\]"),
+        (lambda a: a.update(x_shift=a["x_shift"][:3]), ValueError, r"x_shift has shape \(3,\); expected \[5\]"),
+        (lambda a: a.update(x_shift=a["x_shift"].int()), TypeError, r"x_shift has dtype int32"),
         (lambda a: a.update(x=a["x"].to("meta")), ValueError, r"x is on meta"),
         (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
         (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
     ],
-    ids=["x-rank", "x-width", "x-dtype", "w-rank", "F0", "idx-rows", "K0", "idx-dtype", "bias-shape", "device",
+    ids=["x-rank", "x-width", "x-dtype", "w-rank", "F0", "idx-rows", "K0", "idx-dtype", "bias-shape", "shift-shape",
+         "shift-dtype", "device",
          "idx-high", "idx-negative"],
 )
 def test_bad_input_errors(mutate, exc, match):
-    x, weight, idx, bias = make(4, 3, 6, 5, torch.float32)
-    a = dict(x=x, weight=weight, indices=idx, bias=bias)
+    x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
+    a = dict(x=x, weight=weight, indices=idx, bias=bias, x_shift=shift)
     mutate(a)
     sparsefuse.set_index_checks(True)  # on a GPU the range check is opt-in
     try:
         with pytest.raises(exc, match=match):
-            sparsefuse.sparse_linear(a["x"], a["weight"], a["indices"], a["bias"])
+            sparsefuse.sparse_linear(**a)
     finally:
         sparsefuse.set_index_checks(None)
 
 
 def test_unchecked_out_of_range_indices_poison_with_nan():
     """With the host check off, a bad index never reads out of bounds: its output is NaN."""
-    x, weight, idx, bias = make(4, 3, 6, 5, torch.float32)
+    x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
     idx[1, 1] = 1_000_000
     sparsefuse.set_index_checks(False)
     try:
-        out = sparsefuse.sparse_linear(x, weight, idx, bias)
+        out = sparsefuse.sparse_linear(x, weight, idx, bias, shift)
     finally:
         sparsefuse.set_index_checks(None)
     assert torch.isnan(out[1, 1]) and torch.isfinite(out[0]).all()
@@ -228,9 +245,9 @@ def test_gpu_more_than_2_31_weight_elements():
     weight = torch.randn(F, D, device="cuda", dtype=torch.bfloat16, generator=g)
     bias = torch.randn(F, device="cuda", generator=g).to(torch.bfloat16)
     x = torch.randn(B, D, device="cuda", generator=g).to(torch.bfloat16)
-    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias)
+    got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias, None)
     uniq, inv = torch.unique(idx, return_inverse=True)
-    want = value_and_grads(ref.sparse_linear, x.double(), weight[uniq].double(), inv, bias[uniq].double())
+    want = value_and_grads(ref.sparse_linear, x.double(), weight[uniq].double(), inv, bias[uniq].double(), None)
     assert_close(got[0], want[0], torch.bfloat16, "value")
     assert_close(got[1], want[1], torch.bfloat16, "grad_x")
     assert_close(got[2][uniq], want[2], torch.bfloat16, "grad_weight (touched rows)")

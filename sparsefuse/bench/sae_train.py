@@ -181,7 +181,7 @@ def breakdown(B=4096, K=64, F=65536, D=2304, dtype=torch.bfloat16, device="cuda"
         vals.backward(gvals)
 
     def sparse_encoder():
-        sparse_linear(x - model.b_dec, model.W_enc, idx, model.b_enc).backward(gvals)
+        sparse_linear(x, model.W_enc, idx, model.b_enc, model.b_dec).backward(gvals)
 
     parts = {
         "encoder matmul fwd": lambda: torch.nn.functional.linear(x, model.W_enc, model.b_enc),
@@ -197,6 +197,8 @@ def breakdown(B=4096, K=64, F=65536, D=2304, dtype=torch.bfloat16, device="cuda"
     }
     out = {}
     for name, fn in parts.items():
+        if name.startswith(("projection", "renormalisation")):
+            fn = torch.no_grad()(fn)
         out[name] = do_bench(fn, warmup=25, rep=150)
         log(f"  {name:<34} {out[name]:7.3f} ms")
     return out

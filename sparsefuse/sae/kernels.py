@@ -427,6 +427,8 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
     if num_features == 0 or (D == 0 and wsum is None):
         return out
     keys = indices.reshape(-1)
+    if keys.dtype == torch.int64 and num_features < 2**31:
+        keys = keys.to(torch.int32)  # a radix sort over 4-byte keys takes half the time
     sorted_keys, order = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
     grid = (num_features, max(triton.cdiv(D, _SEG_BLOCK_D), 1))
@@ -453,34 +455,51 @@ def row_dot(indices, weight, rows, fbias, out_dtype, acc):
     return out
 
 
-def sparse_linear_fwd(x, weight, indices, bias):
-    """[B, K] in promote(x, weight, bias): the selected entries of F.linear(x, weight, bias)."""
+def _shifted(x, x_shift):
+    return x if x_shift is None else x - x_shift
+
+
+def sparse_linear_fwd(x, weight, indices, bias, x_shift):
+    """[B, K] in promote(x, weight, bias, x_shift): the selected entries of F.linear(x - x_shift, weight, bias)."""
     check_index_range("indices", indices, weight.shape[0])
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    for t in (bias, x_shift):
+        if t is not None:
+            out_dtype = torch.promote_types(out_dtype, t.dtype)
     if bias is not None:
-        out_dtype = torch.promote_types(out_dtype, bias.dtype)
         bias = bias.contiguous()
-    return row_dot(indices, weight, x, bias, out_dtype, acc_dtype(x, weight, bias))
+    return row_dot(indices, weight, _shifted(x, x_shift), bias, out_dtype, acc_dtype(x, weight, bias, x_shift))
 
 
-def sparse_linear_bwd(grad, x, indices, weight, need_x, need_weight, need_bias):
-    """(grad_x [B, D] x dtype or [0], grad_weight [F, D] weight dtype or [0], grad_bias [F] ACC or [0]).
+def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift):
+    """(grad_x [B, D] x dtype, grad_weight [F, D] weight dtype, grad_bias [F] ACC, grad_shift [D] ACC),
+    each [0] when not needed.
 
     grad_x is the sparse embedding bag of ``grad`` over ``weight``; grad_weight[f] = sum over the
-    entries of feature f of grad[b, k] * x[b], and grad_bias[f] the sum of those grad[b, k], both
-    from one segmented pass over the entries sorted by feature (deterministic, no atomics)."""
+    entries of feature f of grad[b, k] * (x[b] - x_shift), and grad_bias[f] the sum of those
+    grad[b, k], both from one segmented pass over the entries sorted by feature (deterministic, no
+    atomics). grad_shift = -sum_b grad_x[b] = -(grad_bias @ weight): one matrix-vector product
+    when grad_x itself is not wanted."""
     F, D = weight.shape
     check_index_range("indices", indices, F)
-    acc = acc_dtype(grad, x, weight)
-    grad_x = decode_fwd(indices, grad, weight, None).to(x.dtype) if need_x else x.new_empty(0)
-    grad_bias = torch.empty(F if need_bias else 0, device=x.device, dtype=acc)
+    acc = acc_dtype(grad, x, weight, x_shift)
+    grad_x, grad_shift = x.new_empty(0), x.new_empty(0)
+    if need_x:
+        gx = decode_fwd(indices, grad, weight, None)
+        grad_x = gx.to(x.dtype)
+        if need_shift:
+            grad_shift = gx.sum(0, dtype=acc).neg_()
+    need_sums = need_bias or (need_shift and not need_x)
+    grad_bias = torch.empty(F if need_sums else 0, device=x.device, dtype=acc)
     grad_weight = weight.new_empty(0)
-    if need_weight or need_bias:
-        rows = x if need_weight else x[:, :0]  # bias alone: the same pass with no columns
-        gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=grad_bias if need_bias else None)
+    if need_weight or need_sums:
+        rows = _shifted(x, x_shift) if need_weight else x[:, :0]  # sums alone: the same pass with no columns
+        gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=grad_bias if need_sums else None)
         if need_weight:
             grad_weight = gw
-    return grad_x, grad_weight, grad_bias
+    if need_shift and not need_x:
+        grad_shift = torch.mv(weight.t(), grad_bias.to(weight.dtype)).to(acc).neg_()
+    return grad_x, grad_weight, grad_bias, grad_shift
 
 
 def unit_rows_(weight, grad, eps):

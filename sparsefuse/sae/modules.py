@@ -169,15 +169,15 @@ class TopKSAE(nn.Module):
                 (so data-parallel training matches one process exactly).
         """
         topk_loss, hier_loss = DECODERS[self.decoder]
-        xc = x - self.b_dec.to(x.dtype)
+        shift = self.b_dec.to(x.dtype)  # the pre-encoder bias
         if self.encoder == "dense":
-            pre = F.relu(F.linear(xc, self.W_enc, self.b_enc))
+            pre = F.relu(F.linear(x - shift, self.W_enc, self.b_enc))
             vals, indices = pre.topk(self.k, dim=-1, sorted=True)
         else:  # the dense product only selects; ReLU would not change which latents end up nonzero
             with torch.no_grad():
-                pre = F.linear(xc, self.W_enc, self.b_enc)
+                pre = F.linear(x - shift, self.W_enc, self.b_enc)
             indices = pre.topk(self.k, dim=-1, sorted=True).indices
-            vals = F.relu(sparse_linear(xc, self.W_enc, indices, self.b_enc))
+            vals = F.relu(sparse_linear(x, self.W_enc, indices, self.b_enc, shift))
         if variance is None:
             xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
             variance = (xf - xf.mean(0)).square().mean().clamp_min(1e-30)
@@ -185,17 +185,18 @@ class TopKSAE(nn.Module):
         recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x) / variance
         auxk_loss = recon_loss.new_zeros(())
         if self.training and self.config["auxk_alpha"] > 0:
-            auxk_loss = self._auxk_loss(x, xc, pre, indices, vals, topk_loss)
+            auxk_loss = self._auxk_loss(x, pre, indices, vals, topk_loss)
         loss = recon_loss + self.config["auxk_alpha"] * auxk_loss
         return SAEOutput(loss, recon_loss, auxk_loss, indices, vals)
 
-    def _auxk_loss(self, x, xc, pre, indices, vals, topk_loss):
+    def _auxk_loss(self, x, pre, indices, vals, topk_loss):
         dead = self.dead_mask()
         with torch.no_grad():
             resid = (x - self.decode(indices, vals).to(x.dtype)).detach()  # [B, D]
         aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
         if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
-            aux_vals = F.relu(sparse_linear(xc, self.W_enc, aux_idx, self.b_enc)) * dead[aux_idx].to(aux_vals.dtype)
+            aux_vals = F.relu(sparse_linear(x, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(x.dtype)))
+            aux_vals = aux_vals * dead[aux_idx].to(aux_vals.dtype)
         mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
         scale = _global_mean(resid.float().square().mean()).clamp_min(1e-30)
         return torch.where(dead.any(), mse / scale, mse.new_zeros(()))

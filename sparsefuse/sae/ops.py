@@ -99,7 +99,7 @@ def sae_decode(indices: Tensor, vals: Tensor, weight: Tensor, bias: Optional[Ten
 # --- sparse_linear (the encoder side) -------------------------------------------------------
 
 
-def _check_linear_inputs(x, weight, indices, bias):
+def _check_linear_inputs(x, weight, indices, bias, x_shift):
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     F, D = weight.shape
     if F < 1:
@@ -110,72 +110,85 @@ def _check_linear_inputs(x, weight, indices, bias):
     if indices.shape[1] < 1:
         raise ValueError(f"indices must have at least one column (K >= 1), got shape {tuple(indices.shape)}")
     check_tensor("bias", bias, shape=(F,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
+    check_tensor("x_shift", x_shift, shape=(D,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
 
 
-def _linear_fake(x, weight, indices, bias):
+def _linear_fake(x, weight, indices, bias, x_shift):
     dt = torch.promote_types(x.dtype, weight.dtype)
-    return x.new_empty(indices.shape, dtype=dt if bias is None else torch.promote_types(dt, bias.dtype))
+    for t in (bias, x_shift):
+        if t is not None:
+            dt = torch.promote_types(dt, t.dtype)
+    return x.new_empty(indices.shape, dtype=dt)
 
 
-def _linear_bwd_fake(grad, x, indices, weight, need_x, need_weight, need_bias):
-    acc = reference.acc_dtype(grad, x, weight)
+def _linear_bwd_fake(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift):
+    acc = reference.acc_dtype(grad, x, weight, x_shift)
     return (x.new_empty(x.shape if need_x else (0,)), weight.new_empty(weight.shape if need_weight else (0,)),
-            x.new_empty(weight.shape[0] if need_bias else 0, dtype=acc))
+            x.new_empty(weight.shape[0] if need_bias else 0, dtype=acc),
+            x.new_empty(weight.shape[1] if need_shift else 0, dtype=acc))
 
 
 @register_op("sparse_linear_bwd", fake=_linear_bwd_fake, reference=reference.sparse_linear_bwd)
 def _linear_bwd_op(
-    grad: Tensor, x: Tensor, indices: Tensor, weight: Tensor, need_x: bool, need_weight: bool, need_bias: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    return kernels.sparse_linear_bwd(grad, x, indices, weight, need_x, need_weight, need_bias)
+    grad: Tensor, x: Tensor, indices: Tensor, weight: Tensor, x_shift: Optional[Tensor], need_x: bool,
+    need_weight: bool, need_bias: bool, need_shift: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return kernels.sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift)
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, indices, bias = inputs
-    ctx.save_for_backward(x, indices, weight)
-    ctx.bias_dtype = None if bias is None else bias.dtype
+    x, weight, indices, bias, x_shift = inputs
+    ctx.save_for_backward(x, indices, weight, x_shift)
+    ctx.dtypes = [None if t is None else t.dtype for t in (bias, x_shift)]
 
 
 def _linear_backward(ctx, grad):
-    x, indices, weight = ctx.saved_tensors
-    need_x, need_weight, _, need_bias = ctx.needs_input_grad
-    gx, gw, gb = _linear_bwd_op(grad, x, indices, weight, need_x, need_weight, need_bias)
+    x, indices, weight, x_shift = ctx.saved_tensors
+    need_x, need_weight, _, need_bias, need_shift = ctx.needs_input_grad
+    gx, gw, gb, gs = _linear_bwd_op(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift)
     return (gx if need_x else None, gw if need_weight else None, None,
-            gb.to(ctx.bias_dtype) if need_bias else None)
+            gb.to(ctx.dtypes[0]) if need_bias else None, gs.to(ctx.dtypes[1]) if need_shift else None)
 
 
 @register_op("sparse_linear", fake=_linear_fake, reference=reference.sparse_linear_fwd,
              backward=_linear_backward, setup_context=_linear_setup)
-def _linear_op(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return kernels.sparse_linear_fwd(x, weight, indices, bias)
+def _linear_op(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor],
+               x_shift: Optional[Tensor]) -> Tensor:
+    return kernels.sparse_linear_fwd(x, weight, indices, bias, x_shift)
 
 
-def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """The K selected outputs per row of ``F.linear(x, weight, bias)``, with a K-sparse backward.
+def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor] = None,
+                  x_shift: Optional[Tensor] = None) -> Tensor:
+    """The K selected outputs per row of ``F.linear(x - x_shift, weight, bias)``, with a K-sparse backward.
 
-    ``out[b, k] = sum_d x[b, d] * weight[indices[b, k], d] + bias[indices[b, k]]``
+    ``out[b, k] = sum_d (x[b, d] - x_shift[d]) * weight[indices[b, k], d] + bias[indices[b, k]]``
 
-    A TopK SAE encoder computes ``x @ W_enc.T`` densely to choose its latents, but only the K chosen
-    ones get a gradient. Recomputing them through this op (the dense product under ``no_grad``)
-    replaces the two dense ``[B, F]`` backward matmuls by work proportional to B*K*D:
+    A TopK SAE encoder computes ``(x - b_dec) @ W_enc.T`` densely to choose its latents, but only the
+    K chosen ones get a gradient. Recomputing them through this op (the dense product under
+    ``no_grad``) replaces the two dense ``[B, F]`` backward matmuls by work proportional to B*K*D:
 
-    * ``grad_x[b] = sum_k g[b, k] * weight[indices[b, k]]`` (the embedding bag of :func:`sae_decode`),
-    * ``grad_weight[f] = sum_{(b, k): indices[b, k] = f} g[b, k] * x[b]`` and
+    * ``grad_weight[f] = sum_{(b, k): indices[b, k] = f} g[b, k] * (x[b] - x_shift)`` and
       ``grad_bias[f] = sum_{(b, k): indices[b, k] = f} g[b, k]``, one segmented pass over the entries
-      sorted by feature: deterministic, no atomics, each gradient row written once.
+      sorted by feature: deterministic, no atomics, each gradient row written once;
+    * ``grad_x[b] = sum_k g[b, k] * weight[indices[b, k]]`` (the embedding bag of :func:`sae_decode`),
+      only when x requires grad;
+    * ``grad_x_shift = -sum_b grad_x[b] = -(grad_bias @ weight)``: a matrix-vector product when x is
+      frozen (the SAE's pre-encoder bias ``b_dec`` goes here; with 16-bit weights the product runs
+      in their dtype).
 
     Args:
         x: ``[B, D]`` inputs.
         weight: ``[F, D]`` (an ``nn.Linear(D, F)`` weight).
         indices: ``[B, K]`` int32/int64 in ``[0, F)``.
         bias: ``[F]`` or None.
+        x_shift: ``[D]`` subtracted from every row of x first, or None.
 
     Returns:
-        ``[B, K]`` in ``promote_types(x, weight[, bias])``, accumulated in float32 (float64 for
-        float64 inputs). Gradients for x, weight and bias come back in their dtypes.
+        ``[B, K]`` in the promoted dtype of the float inputs, accumulated in float32 (float64 for
+        float64 inputs). Gradients come back in their inputs' dtypes.
     """
-    _check_linear_inputs(x, weight, indices, bias)
-    return _linear_op(x, weight, indices, bias)
+    _check_linear_inputs(x, weight, indices, bias, x_shift)
+    return _linear_op(x, weight, indices, bias, x_shift)
 
 
 # --- topk_sae_loss ---------------------------------------------------------------------------

@@ -50,9 +50,11 @@ def hierarchical_sae_loss(indices, weight, vals, bias, target):
     return prefix.square().sum() / max(prefix.numel(), 1)
 
 
-def sparse_linear(x, weight, indices, bias=None):
-    """out[b, k] = x[b] . weight[indices[b, k]] + bias[indices[b, k]]: the K selected entries of
-    ``F.linear(x, weight, bias)`` per row, ``[B, K]`` in the promoted dtype."""
+def sparse_linear(x, weight, indices, bias=None, x_shift=None):
+    """out[b, k] = (x[b] - x_shift) . weight[indices[b, k]] + bias[indices[b, k]]: the K selected
+    entries of ``F.linear(x - x_shift, weight, bias)`` per row, ``[B, K]`` in the promoted dtype."""
+    if x_shift is not None:
+        x = x - x_shift
     rows = weight[indices.long()]  # [B, K, D]
     dt = torch.promote_types(x.dtype, weight.dtype)
     out = torch.einsum("bd,bkd->bk", x.to(dt), rows.to(dt))
@@ -141,27 +143,33 @@ def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, et
     return grad_vals, grad_weight, grad_bias
 
 
-def sparse_linear_fwd(x, weight, indices, bias):
-    dt = acc_dtype(x, weight, bias)
-    out = torch.einsum("bd,bkd->bk", x.to(dt), weight[indices.long()].to(dt))
+def sparse_linear_fwd(x, weight, indices, bias, x_shift):
+    dt = acc_dtype(x, weight, bias, x_shift)
+    xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
+    out = torch.einsum("bd,bkd->bk", xc, weight[indices.long()].to(dt))
     if bias is not None:
         out = out + bias[indices.long()].to(dt)
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    return out.to(out_dtype if bias is None else torch.promote_types(out_dtype, bias.dtype))
+    out_dtype = x.dtype
+    for t in (weight, bias, x_shift):
+        if t is not None:
+            out_dtype = torch.promote_types(out_dtype, t.dtype)
+    return out.to(out_dtype)
 
 
-def sparse_linear_bwd(grad, x, indices, weight, need_x, need_weight, need_bias):
-    dt = acc_dtype(grad, x, weight)
+def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift):
+    dt = acc_dtype(grad, x, weight, x_shift)
     g = grad.to(dt)
     F = weight.shape[0]
-    grad_x = (torch.einsum("bk,bkd->bd", g, weight[indices.long()].to(dt)).to(x.dtype) if need_x
-              else x.new_empty(0))
+    gx = torch.einsum("bk,bkd->bd", g, weight[indices.long()].to(dt))
+    grad_x = gx.to(x.dtype) if need_x else x.new_empty(0)
+    grad_shift = -gx.sum(0) if need_shift else g.new_empty(0)
     grad_weight = weight.new_empty(0)
     if need_weight:
-        per_entry = (g.unsqueeze(-1) * x.to(dt).unsqueeze(1)).reshape(-1, x.shape[-1])
+        xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
+        per_entry = (g.unsqueeze(-1) * xc.unsqueeze(1)).reshape(-1, x.shape[-1])
         grad_weight = _scatter_rows(indices, per_entry, F).to(weight.dtype)
     grad_bias = g.new_zeros(F).index_add_(0, indices.reshape(-1).long(), g.reshape(-1)) if need_bias else g.new_empty(0)
-    return grad_x, grad_weight, grad_bias
+    return grad_x, grad_weight, grad_bias, grad_shift
 
 
 def unit_rows_(weight, grad, eps):
