@@ -45,7 +45,7 @@ def index_checks_enabled(t: Optional[torch.Tensor] = None) -> bool:
     """Whether an index tensor like ``t`` (default: a CUDA tensor) is range-checked now."""
     if _check_indices is not None:
         return _check_indices
-    return t is not None and t.device.type == "cpu"
+    return t is not None and t.is_cpu  # not t.device.type: that builds a string (~1 us a call)
 
 
 def check_tensor(
@@ -71,7 +71,7 @@ def check_tensor(
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {allowed}")
-    if shape is not None:
+    if shape is not None and t.shape != shape:  # equal sizes (the common case) skip the per-entry loop
         if t.dim() != len(shape):
             raise ValueError(f"{name} must have {len(shape)} dimensions, got shape {tuple(t.shape)}")
         for want, got in zip(shape, t.shape):

@@ -185,6 +185,95 @@ def test_batch_statistics():
     assert_close(s, want_s[0], torch.float32, "s")
 
 
+def _workspace_views(ws, L, K, D):
+    """(sums, counts slot the next update adds into) of an EMA workspace, which must both be zero."""
+    LK, LKD = L * K, L * K * D
+    nxt = LKD if ws.parity == 0 else LKD + 3 * LK
+    return ws.buf[:LKD], ws.buf[nxt:nxt + LK]
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+@pytest.mark.parametrize("L", [None, 2], ids=["single", "L2"])
+def test_consecutive_updates_reuse_the_zeroed_workspace(semantics, L):
+    """Eager updates share one cached statistics buffer, which each update's apply kernel leaves
+    zeroed (sums, and the counts slot of the next update, alternating between two): five steps on
+    fresh batches match the float64 reference at every step."""
+    from sparsefuse.vq import kernels
+
+    kernels.clear_ema_workspaces()
+    B, K, D = 23, 37, 6  # K > the interpreter's 16 codes per apply program: several programs a level
+    _, _, *state = make(B, K, D, L=L)
+    got = [t.clone() for t in state]
+    want = [t.double() if t.is_floating_point() else t.clone() for t in state]
+    ws = None
+    for step in range(5):
+        x, codes, *_ = make(B, K, D, L=L, seed=100 + step, used=K - 20 if step % 2 else None)
+        vq_ema_update(x, codes, *got, decay=0.8, semantics=semantics, threshold=1.0, restart_after_steps=2,
+                      generator=torch.Generator().manual_seed(step))
+        reference.ema_update(x.double(), codes, *want, decay=0.8, active=semantics == "active", threshold=1.0,
+                             restart_after=2, generator=torch.Generator().manual_seed(step))
+        assert_state(got, want)
+        now = kernels.ema_workspace(got[0], L or 1, K, D)
+        assert ws is None or now is ws, "the update did not reuse its workspace"
+        ws = now
+        assert ws.parity == (step + 1) % 2 and not ws.dirty
+        for part in _workspace_views(ws, L or 1, K, D):
+            assert torch.count_nonzero(part) == 0
+
+
+def test_interrupted_update_recovers_the_workspace(monkeypatch):
+    """An update stopped between its two launches leaves partial sums in the workspace; the next
+    update sees the dirty flag, re-zeroes it and is exact."""
+    from sparsefuse.vq import kernels
+
+    kernels.clear_ema_workspaces()
+    B, K, D = 31, 7, 5
+    x, codes, *state = make(B, K, D)
+    got = [t.clone() for t in state]
+    real_apply = kernels.ema_apply
+
+    def failing_apply(*args, **kwargs):
+        raise RuntimeError("interrupted between the launches")
+
+    monkeypatch.setattr(kernels, "ema_apply", failing_apply)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        vq_ema_update(x, codes, *got, decay=0.9, semantics="laplace", threshold=1.5)
+    ws = kernels.ema_workspace(got[0], 1, K, D)
+    assert ws.dirty and torch.count_nonzero(_workspace_views(ws, 1, K, D)[0]) > 0  # partial sums left behind
+    for a, b in zip(got, state):
+        assert torch.equal(a, b)  # accumulate alone changes no state
+    monkeypatch.setattr(kernels, "ema_apply", real_apply)
+    for semantics in ("laplace", "active"):
+        got, want = run_both(x, codes, state, semantics=semantics)
+        assert_state(got, want)
+    assert not ws.dirty
+
+
+def test_batch_statistics_unaffected_by_the_workspace():
+    """batch_statistics returns fresh buffers (never the update's workspace), before and after
+    updates of the same shape, and the updates around it stay exact."""
+    from sparsefuse.vq import kernels
+
+    kernels.clear_ema_workspaces()
+    B, K, D = 29, 6, 5
+    x, codes, *state = make(B, K, D)
+    got, want = run_both(x, codes, state, semantics="active")
+    assert_state(got, want)
+    ws = kernels.ema_workspace(got[0], 1, K, D)
+    n, s = batch_statistics(x, codes, K)
+    want_n, want_s = reference.ema_accumulate(x[None].double(), codes[None], K)
+    assert_close(n, want_n[0], torch.float32, "n")
+    assert_close(s, want_s[0], torch.float32, "s")
+    assert n.untyped_storage().data_ptr() != ws.buf.untyped_storage().data_ptr()
+    x2, codes2, *_ = make(B, K, D, seed=3)
+    n2, s2 = batch_statistics(x2, codes2, K)
+    assert_close(n, want_n[0], torch.float32, "n after a second call")
+    assert_close(s, want_s[0], torch.float32, "s after a second call")
+    assert not torch.equal(s2, s)
+    got, want = run_both(x2, codes2, got, semantics="laplace")
+    assert_state(got, want)
+
+
 def test_compat_ema_update():
     x, codes, codebook, cs, es, cnt = make(19, 8, 6, used=4)
     a = [codebook.clone(), cs.clone(), es.clone(), cnt.clone()]
@@ -455,6 +544,44 @@ def test_gpu_ema_update(B, K, D, semantics, dtype):
     again, _ = run_both(x, codes, state, semantics=semantics, threshold=1.0, restart_after=2, deterministic=True)
     for a, b in zip(again, got_det):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_gpu_graph_capture_and_eager_updates(semantics):
+    """A captured update allocates its own statistics inside the graph (no cached workspace):
+    replays interleaved with eager updates of another state of the same shape on the same stream,
+    and eager updates on a side stream, all match the reference at every step."""
+    B, K, D = 4096, 256, 64
+    x, codes, *state = make(B, K, D, used=200)
+    kw = dict(decay=0.9, semantics=semantics, threshold=0.0, restart_after_steps=0)  # no restarts: keys unused
+    graph_state, eager_state, side_state = ([t.clone() for t in state] for _ in range(3))
+    want = [t.double() if t.is_floating_point() else t.clone() for t in state]
+
+    def reference_step():
+        reference.ema_update(x.double(), codes, *want, decay=0.9, active=semantics == "active", threshold=0.0)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks
+        for st in (graph_state, eager_state, side_state):
+            vq_ema_update(x, codes, *st, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    reference_step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        vq_ema_update(x, codes, *graph_state, **kw)
+    for _ in range(3):
+        graph.replay()
+        vq_ema_update(x, codes, *eager_state, **kw)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            vq_ema_update(x, codes, *side_state, **kw)
+        torch.cuda.current_stream().wait_stream(side)
+        reference_step()
+        torch.cuda.synchronize()
+        for st in (graph_state, eager_state, side_state):
+            assert_state(st, want, scale=5)
 
 
 @pytest.mark.gpu

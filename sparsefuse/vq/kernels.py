@@ -15,6 +15,8 @@ EMA update, two kernels (three under DDP), no B x K one-hot, no host sync:
   first scans the level's [K] scalars (from L2) for the two level-wide facts its codes need: the
   Laplace total sum N and the number of dead codes before its block (the rank that picks a dead
   code's restart row). Then it rewrites its own rows of the codebook and both EMA buffers once.
+* In eager mode the statistics buffer is a cached workspace (``EmaWorkspace``) that the apply
+  kernel leaves zeroed for the next update, so an update allocates nothing and launches no memset.
 * Under DDP, ``torch.distributed.all_reduce`` of the statistics sits between the two; the apply
   kernel then writes the restart rows this rank owns into a candidate buffer, which is summed over
   ranks and installed by ``_vq_ema_restart_kernel``.
@@ -26,6 +28,9 @@ B x K matrix never exists.
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +38,7 @@ import triton.language as tl
 from .._registry import INTERPRET
 from .._validate import check_index_range
 from . import reference
-from .._launch import cdiv, launch, launch_tuned, next_pow2
+from .._launch import _current_stream, cdiv, launch, launch_tuned, next_pow2
 
 _MUL1 = tl.constexpr(reference.HASH_MUL1)
 _MUL2 = tl.constexpr(reference.HASH_MUL2)
@@ -61,11 +66,16 @@ def _block_d(D: int, cap: int) -> int:
 
 
 @triton.jit
-def _stats_ptrs(stats_ptr, LK, LKD):
-    """Pointers to the four parts of the flat statistics buffer (see stats_layout)."""
-    n_ptr = stats_ptr + LKD
-    sn_ptr = n_ptr + LK
-    return stats_ptr, n_ptr, sn_ptr, sn_ptr + LK
+def _stats_ptrs(stats_ptr, K, D, parity):
+    """Pointers to the parts of the flat statistics buffer (see stats_layout): sums, counts, scratch
+    copies of the old cluster sizes and counters, and the spare counts slot that a reused workspace
+    keeps after them (see EmaWorkspace: with ``parity`` 1 the two counts slots trade places).
+    The grid's second axis is the level, so its size is L."""
+    LK = tl.num_programs(1).to(tl.int64) * K
+    LKD = LK * D
+    sn_ptr = stats_ptr + LKD + LK
+    n_ptr = stats_ptr + LKD + 3 * LK * parity
+    return stats_ptr, n_ptr, sn_ptr, sn_ptr + LK, stats_ptr + LKD + 3 * LK * (1 - parity)
 
 
 @triton.jit
@@ -80,15 +90,14 @@ def _copy_scratch(cs_ptr, cnt_ptr, sn_ptr, sc_ptr, o_k, m_k, HAS_COUNTERS: tl.co
     tl.store(sc_ptr + o_k, b_c, mask=m_k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parity"])
 def _vq_ema_accumulate_kernel(
     x_ptr,  # [L, B, D] contiguous, storage dtype
     codes_ptr,  # [L, B] int32 | int64
     stats_ptr,  # flat fp32, zeroed (stats_layout): sums [L, K, D] and counts [L, K] by atomics, then scratch
     cs_ptr,  # [L, K] fp32 cluster_size (read only)
     cnt_ptr,  # [L, K] int counters (read only; HAS_COUNTERS)
-    LK,  # L * K
-    LKD,  # L * K * D
+    parity,  # which counts slot (0 | 1, see _stats_ptrs)
     B,
     K,
     D,
@@ -99,7 +108,7 @@ def _vq_ema_accumulate_kernel(
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
-    s_ptr, n_ptr, sn_ptr, sc_ptr = _stats_ptrs(stats_ptr, LK, LKD)
+    s_ptr, n_ptr, sn_ptr, sc_ptr, _ = _stats_ptrs(stats_ptr, K, D, parity)
     o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
     m_b = o_b < B
     b_code = tl.load(codes_ptr + i_l * B + o_b, mask=m_b, other=0).to(tl.int64)  # [BLOCK_B]
@@ -129,8 +138,6 @@ def _vq_ema_segment_kernel(
     stats_ptr,  # flat fp32 out (stats_layout): sums, counts, scratch
     cs_ptr,  # [L, K] fp32 cluster_size (read only)
     cnt_ptr,  # [L, K] int counters (HAS_COUNTERS)
-    LK,  # L * K
-    LKD,  # L * K * D
     B,
     K,
     D,
@@ -140,7 +147,7 @@ def _vq_ema_segment_kernel(
     """Deterministic statistics: one program per (code, level), rows summed in sorted order."""
     i_k = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
-    s_ptr, n_ptr, sn_ptr, sc_ptr = _stats_ptrs(stats_ptr, LK, LKD)
+    s_ptr, n_ptr, sn_ptr, sc_ptr, _ = _stats_ptrs(stats_ptr, K, D, 0)
     i_start = tl.load(seg_ptr + i_l * (K + 1) + i_k)
     i_end = tl.load(seg_ptr + i_l * (K + 1) + i_k + 1)
     for i_d in range(0, D, BLOCK_D):
@@ -213,7 +220,8 @@ def _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIV
     return b_new, b_cnt_new, m_dead & (B > 0)
 
 
-@triton.jit(do_not_specialize=["w0", "w1", "w2", "w3"])
+# ints that only enter scalar arithmetic are not specialised: fewer variants, cheaper launches
+@triton.jit(do_not_specialize=["parity", "restart_after", "rows_total", "row_off", "half", "w0", "w1", "w2", "w3"])
 def _vq_ema_apply_kernel(
     x_ptr,  # [L, B, D] contiguous, storage dtype
     cb_ptr,  # [L, K, D] fp32 codebook (in place)
@@ -224,8 +232,7 @@ def _vq_ema_apply_kernel(
     key_ptr,  # [L, 4] int64 round keys of the restart permutation (unless KEY_WORDS)
     cand_ptr,  # [L, K, D] fp32 out: restart rows owned by this rank, zeros elsewhere (DIST)
     dead_ptr,  # [L, K] int8 out: dead flags (DIST)
-    LK,  # L * K
-    LKD,  # L * K * D
+    parity,  # which counts slot holds this update's counts (0 | 1, see _stats_ptrs)
     B,
     K,
     D,
@@ -246,13 +253,14 @@ def _vq_ema_apply_kernel(
     HAS_COUNTERS: tl.constexpr,
     DIST: tl.constexpr,
     KEY_WORDS: tl.constexpr,
+    ZERO_STATS: tl.constexpr,  # leave the sums and the spare counts zeroed for the next call
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SCAN: tl.constexpr,
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
-    s_ptr, n_ptr, sn_ptr, sc_ptr = _stats_ptrs(stats_ptr, LK, LKD)
+    s_ptr, n_ptr, sn_ptr, sc_ptr, nz_ptr = _stats_ptrs(stats_ptr, K, D, parity)
     i_start = i_c * BLOCK_C
     # level-wide facts from every code's old state: Laplace total and dead codes before this block
     b_tot = tl.zeros([BLOCK_SCAN], dtype=tl.float32)
@@ -311,6 +319,8 @@ def _vq_ema_apply_kernel(
         p = p_k[:, None] * D + o_d[None, :]  # [BLOCK_C, BLOCK_D]
         b_es = tl.load(es_ptr + p, mask=m, other=0)
         b_s = tl.load(s_ptr + p, mask=m, other=0)
+        if ZERO_STATS:  # only this program reads these sums; same pointers and mask as the load
+            tl.store(s_ptr + p, tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32), mask=m)
         b_cb = tl.load(cb_ptr + p, mask=m, other=0)
         b_es_new = decay * b_es + omd * b_s
         if ACTIVE:
@@ -329,6 +339,10 @@ def _vq_ema_apply_kernel(
         tl.store(cnt_ptr + p_k, tl.where(m_dead, 0, b_cnt_new).to(cnt_ptr.dtype.element_ty), mask=m_c)
     if DIST:
         tl.store(dead_ptr + p_k, m_dead.to(tl.int8), mask=m_c)
+    if ZERO_STATS:
+        # the spare counts, which the next update adds into; not this update's: every program's
+        # level scan reads all of those
+        tl.store(nz_ptr + p_k, tl.zeros([BLOCK_C], dtype=tl.float32), mask=m_c)
 
 
 @triton.jit
@@ -373,16 +387,95 @@ def split_stats(stats: torch.Tensor, L: int, K: int, D: int):
     return stats[:a].view(L, K, D), stats[a:b].view(L, K), stats[b:c].view(L, K), stats[c:e].view(L, K)
 
 
-def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=True):
+class EmaWorkspace:
+    """Statistics buffer reused by consecutive eager updates of one shape on one stream, so that an
+    update allocates and zeroes nothing (a torch.zeros is an allocation and a memset launch: ~10 us
+    of host time, a fifth of a whole update on an H200's host).
+
+    Layout: :func:`stats_layout` followed by a spare counts slot, ``L * K * (D + 4)`` fp32 in all.
+    Between updates the sums and the counts slot picked by ``parity`` are zero. The accumulate
+    kernel adds into them; the apply kernel zeroes each block of sums after reading it (only its
+    program reads it) and zeroes the *other* counts slot, which no program reads in that launch
+    (every program's level scan reads all of this update's counts, so those cannot be zeroed in the
+    same launch); then ``parity`` flips. ``dirty`` is set before the accumulate launch and cleared
+    once the apply launch is enqueued: an update interrupted in between (an exception, a
+    KeyboardInterrupt) leaves it set, and the next update re-zeroes the buffer before using it.
+    """
+
+    __slots__ = ("buf", "parity", "dirty")
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.parity, self.dirty = buf, 0, False
+
+
+class _PerThread(threading.local):
+    def __init__(self):
+        self.workspaces = {}
+
+
+_PER_THREAD = _PerThread()
+
+
+def ema_workspace(ref: torch.Tensor, L: int, K: int, D: int):
+    """The calling thread's :class:`EmaWorkspace` for updates of shape (L, K, D) on ``ref``'s device
+    and the current stream, or None while a CUDA graph is being captured.
+
+    One per (thread, device, stream, shape): the updates that share one are enqueued one after the
+    other on one stream, so each finds it zeroed by the previous one's apply kernel (a DDP update
+    does not use it: its all-reduce wants the sums and counts adjacent). It holds
+    ``L * K * (D + 4)`` fp32 (0.5 MiB at K = 1024, D = 128) until :func:`clear_ema_workspaces` or the
+    thread's end. While a graph is captured the update allocates a fresh zeroed buffer instead: the
+    memset is recorded in the graph and the buffer comes from the graph's private pool, whereas a
+    cached workspace would be shared by the graph's replays (on whatever stream they run) and by
+    eager updates.
+    """
+    if ref.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        idx = ref.get_device()
+        key = (idx, _current_stream(idx), L, K, D)
+    else:  # CPU tensors under the Triton interpreter: no streams
+        key = (-1, 0, L, K, D)
+    cache = _PER_THREAD.workspaces
+    ws = cache.get(key)
+    if ws is None:
+        ws = cache[key] = EmaWorkspace(torch.zeros(L * K * (D + 4), device=ref.device, dtype=torch.float32))
+    return ws
+
+
+def clear_ema_workspaces() -> None:
+    """Release the calling thread's cached EMA statistics buffers."""
+    _PER_THREAD.workspaces.clear()
+
+
+@functools.lru_cache(maxsize=256)
+def _accumulate_config(B: int, D: int, has_cnt: bool):
+    """(row blocks, constexpr arguments) of the accumulate kernel; the dict is shared: read only."""
+    return (max(cdiv(B, _ACC_BLOCK_B), 1),
+            dict(HAS_COUNTERS=has_cnt, BLOCK_B=_ACC_BLOCK_B, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK))
+
+
+@functools.lru_cache(maxsize=256)
+def _apply_config(rows_total: int, K: int, D: int, active: bool, has_cnt: bool, dist: bool, key_words: bool,
+                  zero: bool):
+    """(code blocks, Feistel half-width, constexpr arguments) of the apply kernel; the dict is
+    shared: read only."""
+    block_c = _apply_block_c(K)
+    return (cdiv(K, block_c), reference._half_bits(max(rows_total, 1)),
+            dict(ACTIVE=active, HAS_COUNTERS=has_cnt, DIST=dist, KEY_WORDS=key_words, ZERO_STATS=zero,
+                 BLOCK_C=block_c, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK))
+
+
+def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=True, workspace=None):
     """Flat fp32 statistics buffer (see :func:`stats_layout`) for x [L, B, D], codes [L, B] (or one
-    level unstacked: x [B, D], codes [B], cluster_size [K])."""
+    level unstacked: x [B, D], codes [B], cluster_size [K]). With a ``workspace`` (eager, not
+    deterministic) the statistics go into its buffer, and :func:`ema_apply` must get the same one."""
     L, B, D = _levels(x)
     K = cluster_size.shape[-1]
     if check_codes:
         check_index_range("codes", codes, K)
     x = x.contiguous()
     codes = codes.contiguous()
-    has_cnt = counters is not None
     if deterministic:
         stats = torch.empty(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32)
         sorted_codes, order = torch.sort(codes, dim=-1, stable=True)
@@ -390,23 +483,29 @@ def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=
         if codes.dim() == 2:
             bounds = bounds.expand(L, K + 1).contiguous()
         seg = torch.searchsorted(sorted_codes, bounds)
-        launch(_vq_ema_segment_kernel, (K, L),
-               (x, order, seg, stats, cluster_size, counters, L * K, L * K * D, B, K, D),
-               dict(HAS_COUNTERS=has_cnt, BLOCK_D=_block_d(D, _SEG_BLOCK_D)), 2)
+        launch(_vq_ema_segment_kernel, (K, L), (x, order, seg, stats, cluster_size, counters, B, K, D),
+               dict(HAS_COUNTERS=counters is not None, BLOCK_D=_block_d(D, _SEG_BLOCK_D)), 2)
         return stats
-    stats = torch.zeros(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32)
-    launch(_vq_ema_accumulate_kernel, (max(cdiv(B, _ACC_BLOCK_B), 1), L),
-           (x, codes, stats, cluster_size, counters, L * K, L * K * D, B, K, D),
-           dict(HAS_COUNTERS=has_cnt, BLOCK_B=_ACC_BLOCK_B, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK),
+    if workspace is None:
+        stats, parity = torch.zeros(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32), 0
+    else:
+        if workspace.dirty:  # the last update stopped between its launches: partial sums may remain
+            workspace.buf.zero_()
+            workspace.parity = 0
+        workspace.dirty = True
+        stats, parity = workspace.buf, workspace.parity
+    blocks, meta = _accumulate_config(B, D, counters is not None)
+    launch(_vq_ema_accumulate_kernel, (blocks, L), (x, codes, stats, cluster_size, counters, parity, B, K, D), meta,
            _ACC_WARPS)
     return stats
 
 
 def ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
-              restart_after, active, world, rank):
+              restart_after, active, world, rank, workspace=None):
     """In-place blend, refresh and restart. ``key``: [L, 4] int64 tensor, or the four key words of
-    reference.key_words (the eager path: no key tensor, no launch to draw it). Returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP
-    (world > 1), else (None, None)."""
+    reference.key_words (the eager path: no key tensor, no launch to draw it). ``stats`` from
+    :func:`ema_accumulate` with the same ``workspace``, which this leaves zeroed for the next update.
+    Returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP (world > 1), else (None, None)."""
     L, K, D = _levels(codebook)
     B = x.shape[-2]
     x = x.contiguous()
@@ -415,16 +514,19 @@ def ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay,
     if dist:
         cand = torch.empty((L, K, D), device=codebook.device, dtype=torch.float32)
         dead = torch.empty((L, K), device=codebook.device, dtype=torch.int8)
-    rows_total = world * B
     key_words = not isinstance(key, torch.Tensor)
     words, key = (key, None) if key_words else ((0, 0, 0, 0), key)
-    block_c = _apply_block_c(K)
-    launch(_vq_ema_apply_kernel, (cdiv(K, block_c), L),
-           (x, codebook, cluster_size, embed_sum, counters, stats, key, cand, dead, L * K, L * K * D, B, K, D,
-            float(decay), float(1 - decay), float(eps), float(threshold), float(reset), int(restart_after),
-            rows_total, rank * B, reference._half_bits(max(rows_total, 1)), *words),
-           dict(ACTIVE=bool(active), HAS_COUNTERS=counters is not None, DIST=dist, KEY_WORDS=key_words, BLOCK_C=block_c,
-                BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK), _APPLY_WARPS)
+    rows_total = world * B
+    blocks, half, meta = _apply_config(rows_total, K, D, bool(active), counters is not None, dist, key_words,
+                                       workspace is not None)
+    launch(_vq_ema_apply_kernel, (blocks, L),
+           (x, codebook, cluster_size, embed_sum, counters, stats, key, cand, dead,
+            0 if workspace is None else workspace.parity, B, K, D, float(decay), float(1 - decay), float(eps),
+            float(threshold), float(reset), int(restart_after), rows_total, rank * B, half, *words),
+           meta, _APPLY_WARPS)
+    if workspace is not None:
+        workspace.parity ^= 1
+        workspace.dirty = False
     return cand, dead
 
 

@@ -112,6 +112,24 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if not 0.0 <= float(decay) <= 1.0:
         raise ValueError(f"decay must lie in [0, 1], got {decay}")
+    # Valid inputs pass these few comparisons (a few us of host time instead of ~15 through the
+    # per-argument checks below, which run only to name what is wrong).
+    if (isinstance(codebook, Tensor) and isinstance(cluster_size, Tensor) and isinstance(embed_sum, Tensor)
+            and isinstance(x, Tensor) and isinstance(codes, Tensor)):
+        f32, cb_shape, x_shape, dev = torch.float32, codebook.shape, x.shape, codebook.device
+        lead = cb_shape[:-1]  # [L,] K
+        if (codebook.dtype is f32 and cluster_size.dtype is f32 and embed_sum.dtype is f32
+                and x.dtype in FLOAT_DTYPES and codes.dtype in INDEX_DTYPES
+                and 2 <= len(cb_shape) <= 3 and cb_shape[-2] >= 1 and embed_sum.shape == cb_shape
+                and cluster_size.shape == lead and len(x_shape) == len(cb_shape) and x_shape[-1] == cb_shape[-1]
+                and x_shape[:-2] == cb_shape[:-2] and codes.shape == x_shape[:-1]
+                and cluster_size.device == dev and embed_sum.device == dev and x.device == dev
+                and codes.device == dev and codebook.is_contiguous() and cluster_size.is_contiguous()
+                and embed_sum.is_contiguous()
+                and (counters is None or (isinstance(counters, Tensor) and counters.dtype in INDEX_DTYPES
+                                          and counters.shape == lead and counters.device == dev
+                                          and counters.is_contiguous()))):
+            return
     check_tensor("codebook", codebook, dtypes=(torch.float32,))
     if codebook.dim() not in (2, 3):
         raise ValueError(f"codebook must be [K, D] or [L, K, D], got shape {tuple(codebook.shape)}")
@@ -165,6 +183,12 @@ def vq_ema_update(
 
     Dead codes restart from distinct random rows of x while there are at most B (world * B) of
     them. No B x K one-hot, no host sync, fp32 state whatever the dtype of x.
+
+    In eager mode (not deterministic, no process group) the batch statistics go into a zeroed
+    buffer that the update's second kernel leaves zeroed again, cached per thread, device, stream
+    and (L, K, D) and reused by the next update: ``L * K * (D + 4)`` float32 each (0.5 MiB at
+    K = 1024, D = 128) stay allocated until ``sparsefuse.vq.kernels.clear_ema_workspaces()``.
+    Under ``torch.compile`` and while a CUDA graph is captured every update allocates its own.
     """
     active = semantics == "active"
     _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay)
@@ -173,20 +197,29 @@ def vq_ema_update(
     if restart_after_steps >= _COUNTER_EXACT:
         raise ValueError(f"restart_after_steps must be below 2^24, got {restart_after_steps}")
     dev = codebook.device
-    if codebook.dim() == 2 and (torch.compiler.is_compiling() or not (dev.type == "cuda" or INTERPRET)):
+    reset = 0.0 if active else float(threshold if reset_cluster_size is None else reset_cluster_size)
+    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    compiling = torch.compiler.is_compiling()
+    if process_group is None and not compiling and (codebook.is_cuda or INTERPRET):
+        # Eager: the launchers directly, the keys as four kernel integers on CUDA (no key tensor) and
+        # the statistics in a reused zeroed workspace (no allocation, no memset launch).
+        L, K, D = kernels._levels(codebook)
+        key = reference.key_words(dev, generator)
+        if key is None:  # CPU tensors (interpreter) or graph capture: keys drawn on the device
+            key = reference.draw_key(L, dev, generator)
+        ws = None if det else kernels.ema_workspace(codebook, L, K, D)
+        stats = kernels.ema_accumulate(x, codes, cluster_size, steps_since_active, det, bool(_check_codes), ws)
+        kernels.ema_apply(x, codebook, cluster_size, embed_sum, steps_since_active, stats, key, decay, eps,
+                          threshold, reset, restart_after_steps, active, 1, 0, ws)
+        return
+    if codebook.dim() == 2 and (compiling or not (codebook.is_cuda or INTERPRET)):
         # the registered ops and the references take stacked levels; the launchers take either
         x, codes, codebook, cluster_size, embed_sum = (t.unsqueeze(0) for t in (x, codes, codebook, cluster_size,
                                                                               embed_sum))
         steps_since_active = None if steps_since_active is None else steps_since_active.unsqueeze(0)
     L, K, D = kernels._levels(codebook)
-    reset = 0.0 if active else float(threshold if reset_cluster_size is None else reset_cluster_size)
-    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     world, rank = 1, 0
-    key = None
-    if process_group is None and not torch.compiler.is_compiling():
-        key = reference.key_words(dev, generator)  # eager CUDA: the keys travel as four kernel integers
-    if key is None:
-        key = reference.draw_key(L, dev, generator)
+    key = reference.draw_key(L, dev, generator)
     if process_group is not None:
         import torch.distributed as dist
 

@@ -81,21 +81,25 @@ def restart_rows(key: torch.Tensor, i: torch.Tensor, n: int) -> torch.Tensor:
 
 
 LEVEL_MUL = 0x1B873593
+_WORD_STEP = 0x7FEB352D
 
 
 def key_words(device, generator=None):
     """Four round-key words from a CUDA generator's Philox state, read and advanced on the host the
     way PyTorch's own random kernels consume it (no device work); None on CPU, while a CUDA graph is
     being captured, or under ``torch.compile`` (then :func:`draw_key` draws them on the device)."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return None
-    gen = generator if generator is not None else torch.cuda.default_generators[
-        device.index if device.index is not None else torch.cuda.current_device()]
-    seed, offset = gen.initial_seed(), gen.get_offset()
-    gen.set_offset(offset + 4)
-    return tuple((seed * HASH_MUL1 + (seed >> 31) * HASH_MUL2 + offset * LEVEL_MUL + j * 0x7FEB352D) % HASH_MASK
-                 for j in range(4))
+    if generator is None:
+        idx = device.index
+        generator = torch.cuda.default_generators[torch.cuda.current_device() if idx is None else idx]
+    seed, offset = generator.initial_seed(), generator.get_offset()
+    generator.set_offset(offset + 4)
+    base = seed * HASH_MUL1 + (seed >> 31) * HASH_MUL2 + offset * LEVEL_MUL  # word j: (base + j * STEP) mod MASK
+    return (base % HASH_MASK, (base + _WORD_STEP) % HASH_MASK, (base + 2 * _WORD_STEP) % HASH_MASK,
+            (base + 3 * _WORD_STEP) % HASH_MASK)
 
 
 def expand_words(words, levels: int, device) -> torch.Tensor:
