@@ -32,7 +32,7 @@ def seg(block_d, warps):
 parts = {
     "fwd + bwd (x needs grad)": lambda: torch.autograd.grad(sparse_linear(xg, w, idx, bias), (xg, w, bias), g),
     "fwd + bwd (x frozen)": lambda: torch.autograd.grad(sparse_linear(x, w, idx, bias), (w, bias), g),
-    "fwd (row_dot)": lambda: kernels.sparse_linear_fwd(x, w, idx, bias),
+    "fwd (row_dot)": lambda: kernels.sparse_linear_fwd(x, w, idx, bias, None, None),
     "grad_x (embedding bag)": lambda: kernels.decode_fwd(idx, g, w, None),
     "sort int64 keys": lambda: torch.sort(keys, stable=True),
     "sort int32 keys": lambda: torch.sort(keys.int(), stable=True),

@@ -106,6 +106,22 @@ def test_gradients_equal_dense_linear_through_gather():
             torch.testing.assert_close(a, b)
 
 
+def test_precomputed_values_skip_the_forward_only():
+    """``values`` is returned (a copy, in the output dtype) and the gradients are unchanged."""
+    x, weight, idx, bias, shift = make(6, 3, 8, 12, torch.float64)
+    own = sparsefuse.sparse_linear(x, weight, idx, bias, shift)
+    given = own.float().clone()
+    with_values = lambda *a: sparsefuse.sparse_linear(*a, values=given)  # noqa: E731
+    got = value_and_grads(with_values, x, weight, idx, bias, shift)
+    want = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias, shift)
+    assert got[0].dtype == torch.float64 and got[0].data_ptr() != given.data_ptr()
+    torch.testing.assert_close(got[0], given.double())
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b)
+    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight.requires_grad_(), idx, bias, shift,
+                                                                       given))
+
+
 def test_empty_batch():
     x, weight, idx, bias, shift = make(0, 3, 5, 8, torch.float32)
     got = value_and_grads(sparsefuse.sparse_linear, x, weight, idx, bias, shift)
@@ -142,7 +158,7 @@ def test_opcheck(optional, x_grad):
         if t is not None:
             t.requires_grad_()
     x.requires_grad_(x_grad)
-    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b, s))
+    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b, s, None))
 
 
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x-frozen"])
@@ -188,17 +204,18 @@ def test_torch_compile_fullgraph_parity():
         (lambda a: a.update(bias=a["bias"][:3]), ValueError, r"bias has shape \(3,\); expected \[6\]"),
         (lambda a: a.update(x_shift=a["x_shift"][:3]), ValueError, r"x_shift has shape \(3,\); expected \[5\]"),
         (lambda a: a.update(x_shift=a["x_shift"].int()), TypeError, r"x_shift has dtype int32"),
+        (lambda a: a.update(values=a["x"][:, :2]), ValueError, r"values has shape \(4, 2\); expected \[4, 3\]"),
         (lambda a: a.update(x=a["x"].to("meta")), ValueError, r"x is on meta"),
         (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
         (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
     ],
     ids=["x-rank", "x-width", "x-dtype", "w-rank", "F0", "idx-rows", "K0", "idx-dtype", "bias-shape", "shift-shape",
-         "shift-dtype", "device",
+         "shift-dtype", "values-shape", "device",
          "idx-high", "idx-negative"],
 )
 def test_bad_input_errors(mutate, exc, match):
     x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
-    a = dict(x=x, weight=weight, indices=idx, bias=bias, x_shift=shift)
+    a = dict(x=x, weight=weight, indices=idx, bias=bias, x_shift=shift, values=None)
     mutate(a)
     sparsefuse.set_index_checks(True)  # on a GPU the range check is opt-in
     try:

@@ -459,13 +459,16 @@ def _shifted(x, x_shift):
     return x if x_shift is None else x - x_shift
 
 
-def sparse_linear_fwd(x, weight, indices, bias, x_shift):
-    """[B, K] in promote(x, weight, bias, x_shift): the selected entries of F.linear(x - x_shift, weight, bias)."""
+def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
+    """[B, K] in promote(x, weight, bias, x_shift): the selected entries of F.linear(x - x_shift, weight,
+    bias); a copy of ``values`` when the caller already has them."""
     check_index_range("indices", indices, weight.shape[0])
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     for t in (bias, x_shift):
         if t is not None:
             out_dtype = torch.promote_types(out_dtype, t.dtype)
+    if values is not None:
+        return values.to(out_dtype, copy=True)
     if bias is not None:
         bias = bias.contiguous()
     return row_dot(indices, weight, _shifted(x, x_shift), bias, out_dtype, acc_dtype(x, weight, bias, x_shift))

@@ -176,8 +176,8 @@ class TopKSAE(nn.Module):
         else:  # the dense product only selects; ReLU would not change which latents end up nonzero
             with torch.no_grad():
                 pre = F.linear(x - shift, self.W_enc, self.b_enc)
-            indices = pre.topk(self.k, dim=-1, sorted=True).indices
-            vals = F.relu(sparse_linear(x, self.W_enc, indices, self.b_enc, shift))
+            top, indices = pre.topk(self.k, dim=-1, sorted=True)
+            vals = F.relu(sparse_linear(x, self.W_enc, indices, self.b_enc, shift, values=top))
         if variance is None:
             xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
             variance = (xf - xf.mean(0)).square().mean().clamp_min(1e-30)
@@ -195,7 +195,8 @@ class TopKSAE(nn.Module):
             resid = (x - self.decode(indices, vals).to(x.dtype)).detach()  # [B, D]
         aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
         if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
-            aux_vals = F.relu(sparse_linear(x, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(x.dtype)))
+            aux_vals = F.relu(sparse_linear(x, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(x.dtype),
+                                            values=aux_vals))
             aux_vals = aux_vals * dead[aux_idx].to(aux_vals.dtype)
         mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
         scale = _global_mean(resid.float().square().mean()).clamp_min(1e-30)

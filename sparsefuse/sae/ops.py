@@ -99,7 +99,7 @@ def sae_decode(indices: Tensor, vals: Tensor, weight: Tensor, bias: Optional[Ten
 # --- sparse_linear (the encoder side) -------------------------------------------------------
 
 
-def _check_linear_inputs(x, weight, indices, bias, x_shift):
+def _check_linear_inputs(x, weight, indices, bias, x_shift, values):
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     F, D = weight.shape
     if F < 1:
@@ -111,9 +111,10 @@ def _check_linear_inputs(x, weight, indices, bias, x_shift):
         raise ValueError(f"indices must have at least one column (K >= 1), got shape {tuple(indices.shape)}")
     check_tensor("bias", bias, shape=(F,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
     check_tensor("x_shift", x_shift, shape=(D,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
+    check_tensor("values", values, shape=tuple(indices.shape), dtypes=FLOAT_DTYPES, device=dev, optional=True)
 
 
-def _linear_fake(x, weight, indices, bias, x_shift):
+def _linear_fake(x, weight, indices, bias, x_shift, values):
     dt = torch.promote_types(x.dtype, weight.dtype)
     for t in (bias, x_shift):
         if t is not None:
@@ -137,28 +138,28 @@ def _linear_bwd_op(
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, indices, bias, x_shift = inputs
+    x, weight, indices, bias, x_shift, _values = inputs
     ctx.save_for_backward(x, indices, weight, x_shift)
     ctx.dtypes = [None if t is None else t.dtype for t in (bias, x_shift)]
 
 
 def _linear_backward(ctx, grad):
     x, indices, weight, x_shift = ctx.saved_tensors
-    need_x, need_weight, _, need_bias, need_shift = ctx.needs_input_grad
+    need_x, need_weight, _, need_bias, need_shift, _ = ctx.needs_input_grad
     gx, gw, gb, gs = _linear_bwd_op(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift)
     return (gx if need_x else None, gw if need_weight else None, None,
-            gb.to(ctx.dtypes[0]) if need_bias else None, gs.to(ctx.dtypes[1]) if need_shift else None)
+            gb.to(ctx.dtypes[0]) if need_bias else None, gs.to(ctx.dtypes[1]) if need_shift else None, None)
 
 
 @register_op("sparse_linear", fake=_linear_fake, reference=reference.sparse_linear_fwd,
              backward=_linear_backward, setup_context=_linear_setup)
 def _linear_op(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor],
-               x_shift: Optional[Tensor]) -> Tensor:
-    return kernels.sparse_linear_fwd(x, weight, indices, bias, x_shift)
+               x_shift: Optional[Tensor], values: Optional[Tensor]) -> Tensor:
+    return kernels.sparse_linear_fwd(x, weight, indices, bias, x_shift, values)
 
 
 def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Tensor] = None,
-                  x_shift: Optional[Tensor] = None) -> Tensor:
+                  x_shift: Optional[Tensor] = None, *, values: Optional[Tensor] = None) -> Tensor:
     """The K selected outputs per row of ``F.linear(x - x_shift, weight, bias)``, with a K-sparse backward.
 
     ``out[b, k] = sum_d (x[b, d] - x_shift[d]) * weight[indices[b, k], d] + bias[indices[b, k]]``
@@ -182,13 +183,17 @@ def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Ten
         indices: ``[B, K]`` int32/int64 in ``[0, F)``.
         bias: ``[F]`` or None.
         x_shift: ``[D]`` subtracted from every row of x first, or None.
+        values: ``[B, K]``, the forward result when the caller already has it (an SAE has it from
+            the dense product that chose ``indices``: ``pre.topk(K)`` returns it). It is returned
+            (as a copy, in the output dtype) instead of being recomputed, and is not checked; the
+            backward is the same. Not differentiable.
 
     Returns:
         ``[B, K]`` in the promoted dtype of the float inputs, accumulated in float32 (float64 for
         float64 inputs). Gradients come back in their inputs' dtypes.
     """
-    _check_linear_inputs(x, weight, indices, bias, x_shift)
-    return _linear_op(x, weight, indices, bias, x_shift)
+    _check_linear_inputs(x, weight, indices, bias, x_shift, values)
+    return _linear_op(x, weight, indices, bias, x_shift, None if values is None else values.detach())
 
 
 # --- topk_sae_loss ---------------------------------------------------------------------------

@@ -143,16 +143,18 @@ def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, et
     return grad_vals, grad_weight, grad_bias
 
 
-def sparse_linear_fwd(x, weight, indices, bias, x_shift):
+def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
+    out_dtype = x.dtype
+    for t in (weight, bias, x_shift):
+        if t is not None:
+            out_dtype = torch.promote_types(out_dtype, t.dtype)
+    if values is not None:
+        return values.to(out_dtype, copy=True)
     dt = acc_dtype(x, weight, bias, x_shift)
     xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
     out = torch.einsum("bd,bkd->bk", xc, weight[indices.long()].to(dt))
     if bias is not None:
         out = out + bias[indices.long()].to(dt)
-    out_dtype = x.dtype
-    for t in (weight, bias, x_shift):
-        if t is not None:
-            out_dtype = torch.promote_types(out_dtype, t.dtype)
     return out.to(out_dtype)
 
 
