@@ -249,6 +249,27 @@ def test_interrupted_update_recovers_the_workspace(monkeypatch):
     assert not ws.dirty
 
 
+def test_workspace_made_in_inference_mode_serves_later_updates():
+    """A workspace first made under torch.inference_mode is a normal tensor, so an update outside
+    that mode can still re-zero it in place (after an interruption) and stays exact."""
+    from sparsefuse.vq import kernels
+
+    kernels.clear_ema_workspaces()
+    x, codes, *state = make(17, 5, 4)
+    got = [t.clone() for t in state]
+    want = [t.double() if t.is_floating_point() else t.clone() for t in state]
+    for step in range(2):
+        with torch.inference_mode(step == 0):
+            vq_ema_update(x, codes, *got, decay=0.9, semantics="laplace", threshold=1.5,
+                          generator=torch.Generator().manual_seed(step))
+        reference.ema_update(x.double(), codes, *want, decay=0.9, threshold=1.5,
+                             generator=torch.Generator().manual_seed(step))
+        ws = kernels.ema_workspace(got[0], 1, 5, 4)
+        assert not ws.buf.is_inference()
+        ws.dirty = True  # as after an interrupted update: the next one re-zeroes it in place
+        assert_state(got, want)
+
+
 def test_batch_statistics_unaffected_by_the_workspace():
     """batch_statistics returns fresh buffers (never the update's workspace), before and after
     updates of the same shape, and the updates around it stay exact."""

@@ -439,7 +439,9 @@ def ema_workspace(ref: torch.Tensor, L: int, K: int, D: int):
     cache = _PER_THREAD.workspaces
     ws = cache.get(key)
     if ws is None:
-        ws = cache[key] = EmaWorkspace(torch.zeros(L * K * (D + 4), device=ref.device, dtype=torch.float32))
+        with torch.inference_mode(False):  # an inference tensor could not be re-zeroed outside that mode
+            buf = torch.zeros(L * K * (D + 4), device=ref.device, dtype=torch.float32)
+        ws = cache[key] = EmaWorkspace(buf)
     return ws
 
 
