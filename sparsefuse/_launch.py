@@ -46,6 +46,11 @@ def _arg_key(a):
     return a
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook would call anything (a HookChain holds a list of calls)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -77,8 +82,13 @@ def launch(fn, grid, args, meta, num_warps, num_stages=None):
     all_args = (*args, *(meta[name] for name in fn.arg_names[len(args):]))
     stream = _current_stream(dev)
     rt = knobs.runtime
-    kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
-               kernel.launch_metadata(grid, stream, *all_args), rt.launch_enter_hook, rt.launch_exit_hook, *all_args)
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    if _hooked(enter) or _hooked(leave):  # a profiler's hooks: launched exactly as Triton launches
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *all_args), enter, leave, *all_args)
+    else:  # no hooks: no launch metadata to build and no empty hook chains to call (a few us a launch)
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
+                   None, None, None, *all_args)
 
 
 _TUNED: dict = {}

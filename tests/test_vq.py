@@ -568,6 +568,32 @@ def test_gpu_ema_update(B, K, D, semantics, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("B,K,D", [(32768, 4096, 256), (4096, 1024, 256), (3000, 700, 200)])
+def test_gpu_consecutive_updates_through_the_workspace(B, K, D, dtype):
+    """Four eager updates in a row share the cached statistics buffer, alternating semantics, every
+    one against the float64 reference. The apply kernel zeroes the sums it read; when that zeroing
+    raced with the reads of other threads of the program (D = 256, half-precision x), the third
+    update onwards lost part of its sums."""
+    from sparsefuse.vq import kernels
+
+    kernels.clear_ema_workspaces()
+    _, _, *state = make(B, K, D, dtype=dtype)
+    got = [t.clone() for t in state]
+    want = [t.double() if t.is_floating_point() else t.clone() for t in state]
+    for step, semantics in enumerate(["active", "laplace", "active", "laplace"]):
+        x, codes, *_ = make(B, K, D, dtype=dtype, seed=10 + step, used=K - K // 8)
+        vq_ema_update(x, codes, *got, decay=0.9, semantics=semantics, threshold=1.0, restart_after_steps=2,
+                      generator=torch.Generator(device="cuda").manual_seed(step))
+        reference.ema_update(x.double(), codes, *want, decay=0.9, active=semantics == "active", threshold=1.0,
+                             restart_after=2, generator=torch.Generator(device="cuda").manual_seed(step))
+        assert_state(got, want, scale=5)
+        ws = kernels.ema_workspace(got[0], 1, K, D)
+        for part in _workspace_views(ws, 1, K, D):
+            assert torch.count_nonzero(part) == 0, f"step {step}: the workspace was left dirty"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("semantics", ["active", "laplace"])
 def test_gpu_graph_capture_and_eager_updates(semantics):
     """A captured update allocates its own statistics inside the graph (no cached workspace):

@@ -319,8 +319,6 @@ def _vq_ema_apply_kernel(
         p = p_k[:, None] * D + o_d[None, :]  # [BLOCK_C, BLOCK_D]
         b_es = tl.load(es_ptr + p, mask=m, other=0)
         b_s = tl.load(s_ptr + p, mask=m, other=0)
-        if ZERO_STATS:  # only this program reads these sums; same pointers and mask as the load
-            tl.store(s_ptr + p, tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32), mask=m)
         b_cb = tl.load(cb_ptr + p, mask=m, other=0)
         b_es_new = decay * b_es + omd * b_s
         if ACTIVE:
@@ -340,6 +338,15 @@ def _vq_ema_apply_kernel(
     if DIST:
         tl.store(dead_ptr + p_k, m_dead.to(tl.int8), mask=m_c)
     if ZERO_STATS:
+        # Zero this block's sums (only this program reads them) once every thread of the program
+        # has read its share: the compiler may give the zero store a different thread layout
+        # than the load, and a store that does not depend on the loaded value could then overwrite
+        # a sum before another thread of the program has read it (seen at D = 256 with bf16 x).
+        tl.debug_barrier()
+        for i_d in range(0, D, BLOCK_D):
+            o_d = i_d + tl.arange(0, BLOCK_D)
+            m = m_c[:, None] & (o_d < D)[None, :]
+            tl.store(s_ptr + p_k[:, None] * D + o_d[None, :], tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32), mask=m)
         # the spare counts, which the next update adds into; not this update's: every program's
         # level scan reads all of those
         tl.store(nz_ptr + p_k, tl.zeros([BLOCK_C], dtype=tl.float32), mask=m_c)
