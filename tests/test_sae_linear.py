@@ -161,6 +161,28 @@ def test_opcheck(optional, x_grad):
     torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b, s, None))
 
 
+@pytest.mark.parametrize("need", ["shift-only", "bias-only", "weight-only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_opcheck_partial_gradients(need, dtype):
+    """The backward op's outputs have the fake's shapes and dtypes whichever gradients are asked
+    for (a frozen bias with a trainable shift still needs the per-feature sums internally)."""
+    x, weight, idx, b, s = make(3, 2, 4, 5, dtype)
+    {"shift-only": s, "bias-only": b, "weight-only": weight}[need].requires_grad_()
+    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b, s, None))
+    grad = torch.randn(3, 2, device=DEVICE, dtype=dtype)
+    flags = (False, need == "weight-only", need == "bias-only", need == "shift-only")
+    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear_bwd.default, (grad, x, idx, weight.detach(), s.detach(),
+                                                                          *flags))
+
+
+def test_opcheck_non_contiguous_values():
+    x, weight, idx, b, s = make(3, 4, 6, 5, torch.float32)
+    values = torch.randn(4, 3, device=DEVICE).t()  # [3, 4], strides (1, 3)
+    weight.requires_grad_()
+    torch.library.opcheck(torch.ops.sparsefuse.sparse_linear.default, (x, weight, idx, b, s, values))
+    assert sparsefuse.sparse_linear(x, weight, idx, b, s, values=values).is_contiguous()
+
+
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x-frozen"])
 def test_gradcheck_fp64(x_grad):
     x, weight, idx, bias, shift = make(3, 3, 4, 5, torch.float64)
@@ -235,6 +257,27 @@ def test_unchecked_out_of_range_indices_poison_with_nan():
     finally:
         sparsefuse.set_index_checks(None)
     assert torch.isnan(out[1, 1]) and torch.isfinite(out[0]).all()
+
+
+def test_unchecked_huge_int64_index_adds_to_no_feature():
+    """An int64 index past 2^32 (host check off) must not wrap onto a real feature in the weight
+    and bias gradients (the sort narrows keys to int32)."""
+    x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
+    good = idx.clone()
+    idx[1, 1] = 2**32 + 3
+    vals = torch.zeros(4, 3, device=DEVICE)
+    sparsefuse.set_index_checks(False)
+    try:
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        sparsefuse.sparse_linear(x, w, idx, b, shift, values=vals).sum().backward()
+    finally:
+        sparsefuse.set_index_checks(None)
+    keep = torch.ones(4, 3, dtype=torch.bool, device=DEVICE)
+    keep[1, 1] = False
+    want_b = torch.zeros(6, device=DEVICE).index_add_(0, good[keep], torch.ones(int(keep.sum()), device=DEVICE))
+    assert_close(b.grad, want_b.double(), torch.float32, "grad_bias")
+    want_w = torch.zeros(6, 5, device=DEVICE).index_add_(0, good[keep], (x - shift)[:, None, :].expand(4, 3, 5)[keep])
+    assert_close(w.grad, want_w.double(), torch.float32, "grad_weight")
 
 
 # --- GPU tier ------------------------------------------------------------------------------

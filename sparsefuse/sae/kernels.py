@@ -150,7 +150,7 @@ def _sae_row_dot_kernel(
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        b_w = tl.load(p_rows[:, None] + o_d[None, :] * stride_wd, mask=m_ok[:, None] & m_d[None, :], other=0).to(ACC)
+        b_w = tl.load(p_rows[:, None] + o_d[None, :].to(tl.int64) * stride_wd, mask=m_ok[:, None] & m_d[None, :], other=0).to(ACC)
         b_x = tl.load(rows_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
         b_out += tl.sum(b_w * b_x[None, :], axis=1)
     if HAS_BIAS:
@@ -357,21 +357,21 @@ def _unit_rows_kernel(
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        b_w = tl.load(p_w + o_d * stride_wd, mask=m_d, other=0).to(ACC)
+        b_w = tl.load(p_w + o_d.to(tl.int64) * stride_wd, mask=m_d, other=0).to(ACC)
         b_ww += b_w * b_w
         if PROJECT:
-            b_gw += tl.load(p_g + o_d * stride_gd, mask=m_d, other=0).to(ACC) * b_w
+            b_gw += tl.load(p_g + o_d.to(tl.int64) * stride_gd, mask=m_d, other=0).to(ACC) * b_w
     inv = 1 / tl.maximum(tl.sqrt(tl.sum(b_ww, axis=0)), eps)
     coef = tl.sum(b_gw, axis=0) * inv * inv
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        b_w = tl.load(p_w + o_d * stride_wd, mask=m_d, other=0).to(ACC)
+        b_w = tl.load(p_w + o_d.to(tl.int64) * stride_wd, mask=m_d, other=0).to(ACC)
         if PROJECT:
-            b_g = tl.load(p_g + o_d * stride_gd, mask=m_d, other=0).to(ACC)
-            tl.store(p_g + o_d * stride_gd, (b_g - coef * b_w).to(g_ptr.dtype.element_ty), mask=m_d)
+            b_g = tl.load(p_g + o_d.to(tl.int64) * stride_gd, mask=m_d, other=0).to(ACC)
+            tl.store(p_g + o_d.to(tl.int64) * stride_gd, (b_g - coef * b_w).to(g_ptr.dtype.element_ty), mask=m_d)
         else:
-            tl.store(p_w + o_d * stride_wd, (b_w * inv).to(w_ptr.dtype.element_ty), mask=m_d)
+            tl.store(p_w + o_d.to(tl.int64) * stride_wd, (b_w * inv).to(w_ptr.dtype.element_ty), mask=m_d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,8 +427,10 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
     if num_features == 0 or (D == 0 and wsum is None):
         return out
     keys = indices.reshape(-1)
-    if keys.dtype == torch.int64 and num_features < 2**31:
-        keys = keys.to(torch.int32)  # a radix sort over 4-byte keys takes half the time
+    if keys.dtype == torch.int64 and num_features < 2**31 - 1:
+        # a radix sort over 4-byte keys takes half the time; the clamp keeps an out-of-range index
+        # (index checks off) outside every segment instead of wrapping onto a real feature
+        keys = keys.clamp(-1, num_features).to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
     grid = (num_features, max(triton.cdiv(D, _SEG_BLOCK_D), 1))
@@ -468,7 +470,7 @@ def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
         if t is not None:
             out_dtype = torch.promote_types(out_dtype, t.dtype)
     if values is not None:
-        return values.to(out_dtype, copy=True)
+        return values.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
     if bias is not None:
         bias = bias.contiguous()
     return row_dot(indices, weight, _shifted(x, x_shift), bias, out_dtype, acc_dtype(x, weight, bias, x_shift))
@@ -486,22 +488,23 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     F, D = weight.shape
     check_index_range("indices", indices, F)
     acc = acc_dtype(grad, x, weight, x_shift)
-    grad_x, grad_shift = x.new_empty(0), x.new_empty(0)
+    grad_x, grad_shift = x.new_empty(0), x.new_empty(0, dtype=acc)
     if need_x:
         gx = decode_fwd(indices, grad, weight, None)
         grad_x = gx.to(x.dtype)
         if need_shift:
             grad_shift = gx.sum(0, dtype=acc).neg_()
     need_sums = need_bias or (need_shift and not need_x)
-    grad_bias = torch.empty(F if need_sums else 0, device=x.device, dtype=acc)
+    sums = torch.empty(F if need_sums else 0, device=x.device, dtype=acc)
     grad_weight = weight.new_empty(0)
     if need_weight or need_sums:
         rows = _shifted(x, x_shift) if need_weight else x[:, :0]  # sums alone: the same pass with no columns
-        gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=grad_bias if need_sums else None)
+        gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=sums if need_sums else None)
         if need_weight:
             grad_weight = gw
     if need_shift and not need_x:
-        grad_shift = torch.mv(weight.t(), grad_bias.to(weight.dtype)).to(acc).neg_()
+        grad_shift = torch.mv(weight.t(), sums.to(weight.dtype)).to(acc).neg_()
+    grad_bias = sums if need_bias else x.new_empty(0, dtype=acc)
     return grad_x, grad_weight, grad_bias, grad_shift
 
 

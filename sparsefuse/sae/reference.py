@@ -149,7 +149,7 @@ def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
         if t is not None:
             out_dtype = torch.promote_types(out_dtype, t.dtype)
     if values is not None:
-        return values.to(out_dtype, copy=True)
+        return values.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
     dt = acc_dtype(x, weight, bias, x_shift)
     xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
     out = torch.einsum("bd,bkd->bk", xc, weight[indices.long()].to(dt))
