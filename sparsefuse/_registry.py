@@ -13,12 +13,17 @@ Eager fast path: going through the dispatcher and ``torch.library``'s Python aut
 a few hundred microseconds of host time per training step, which on a GPU is longer than the
 kernels of a small step. So in plain eager mode (no ``torch.compile`` tracing, no dispatch mode,
 plain tensors) the returned op calls the same implementation directly, with the same
-``setup_context`` / ``backward`` wrapped in an ``autograd.Function``. Anything else (compile,
-``opcheck``, fake or functional tensors, functorch transforms) goes through the registered op.
+``setup_context`` / ``backward`` wrapped in an ``autograd.Function``, and bumps the version
+counters of the arguments it mutates as the dispatcher would (so autograd still refuses a tensor
+saved for backward and then changed in place). Anything else (compile, ``opcheck``, fake or
+functional tensors, functorch transforms) goes through the registered op. The VQ and KD public
+functions, which keep their own eager paths, use the same two helpers: :func:`plain_eager` and
+:func:`bump_versions`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Callable, Iterable, Optional
 
@@ -59,7 +64,9 @@ def register_op(
             cpu_impl = reference
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
-        return RegisteredOp(op, launcher, cpu_impl, backward, setup_context)
+        params = list(inspect.signature(launcher).parameters)
+        mutated = tuple(params.index(a) for a in mutates_args)
+        return RegisteredOp(op, launcher, cpu_impl, backward, setup_context, mutated)
 
     return wrap
 
@@ -70,8 +77,9 @@ class RegisteredOp:
     Calling it runs the op; attribute access falls through to the ``CustomOpDef``.
     """
 
-    def __init__(self, op, launcher, cpu_impl, backward, setup_context):
+    def __init__(self, op, launcher, cpu_impl, backward, setup_context, mutated=()):
         self.op = op
+        self._mutated = mutated  # positions of the arguments written in place
         self._launcher = launcher
         self._cpu_impl = cpu_impl
         self._function = None
@@ -94,13 +102,16 @@ class RegisteredOp:
         return self._launcher
 
     def __call__(self, *args):
-        if not _plain_eager(args):
+        if not plain_eager(args):
             return self.op(*args)
         if self._function is not None and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
             return self._function.apply(*args)
-        return self._impl(args)(*args)
+        out = self._impl(args)(*args)
+        if self._mutated:
+            bump_versions(*(args[i] for i in self._mutated))
+        return out
 
     def __getattr__(self, attr):
         return getattr(self.op, attr)
@@ -109,7 +120,7 @@ class RegisteredOp:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager(args) -> bool:
+def plain_eager(args) -> bool:
     """Cheap (it runs on every call): no tracing, no dispatch mode, no functorch transform, and
     every tensor argument a plain CPU or CUDA tensor."""
     if torch.compiler.is_compiling():  # first: Dynamo must not trace the checks below
@@ -120,3 +131,8 @@ def _plain_eager(args) -> bool:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or not (a.is_cuda or a.is_cpu)):
             return False
     return True
+
+
+def bump_versions(*tensors) -> None:
+    """Mark tensors a launcher wrote in place as modified for autograd (``None`` entries skipped)."""
+    torch.autograd.graph.increment_version([t for t in tensors if t is not None])

@@ -203,6 +203,22 @@ def test_row_ops_match_fp64_reference(F_, D_, dtype):
         assert (got_g * got_w).sum(1).abs().max() <= TOL[dtype] * g.norm()
 
 
+def test_row_ops_are_seen_by_autograd():
+    """The eager fast path calls the launcher directly; the version counter must still move, so a
+    weight saved for backward and then renormalised is refused instead of giving a stale gradient."""
+    from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
+
+    w, g = _rows(6, 9, torch.float32)
+    p = torch.randn(6, 9, device=DEVICE, requires_grad=True)
+    loss = (p * w).sum() + (p * g).sum()
+    v_w, v_g = w._version, g._version
+    normalize_rows_(w)
+    remove_parallel_component_(g, w)
+    assert w._version > v_w and g._version == v_g + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_row_ops_non_contiguous_in_place():
     from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
 

@@ -20,9 +20,8 @@ fake implementations, so ``torch.compile(fullgraph=True)`` sees them), and a sma
 ``torch.autograd.Function`` strings them together. Unlike the SAE ops this family does not use
 ``register_autograd``: on the H200 host the gathered loss ([8192, 64]) spent ~430 us per
 forward+backward in the custom-op autograd wrapper against ~80 us in the kernels' launchers, and
-that loss is launch-bound. For the same reason the gathered loss calls its launchers directly on
-CUDA tensors in eager mode (through the shared cached launcher, ``sparsefuse/_launch.py``); under
-``torch.compile`` and on CPU it goes through the registered ops.
+that loss is launch-bound. In plain eager mode the registered ops themselves skip the dispatcher
+and call their launchers directly (``sparsefuse/_registry.py``).
 """
 
 from __future__ import annotations
@@ -109,19 +108,12 @@ def _topk_op(z: Tensor, t: Tensor, mask: Tensor, temperature: float, reduction: 
     return kernels.topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value)
 
 
-def _eager_cuda(x: Tensor) -> bool:
-    """Launch-bound gathered loss: on CUDA in eager mode call the launchers directly (the registered
-    op's dispatch is host time at [8192, 64]); torch.compile and CPU tensors go through the op."""
-    return x.is_cuda and not torch.compiler.is_compiling()
-
-
 class _TopKFunction(torch.autograd.Function):
     """Autograd around the two registered ops (cheaper per call than register_autograd, see module doc)."""
 
     @staticmethod
     def forward(ctx, z, t, mask, temperature, reduction, num_items, num_items_value):
-        fwd = kernels.topk_fwd if _eager_cuda(z) else _topk_op
-        loss, tok, scale = fwd(z, t, mask, temperature, reduction, num_items, num_items_value)
+        loss, tok, scale = _topk_op(z, t, mask, temperature, reduction, num_items, num_items_value)
         ctx.save_for_backward(z, t, mask, scale)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
@@ -132,8 +124,7 @@ class _TopKFunction(torch.autograd.Function):
         z, t, mask, scale = ctx.saved_tensors
         if grad_loss is None:
             grad_loss = scale.new_zeros(())
-        bwd = kernels.topk_bwd if _eager_cuda(z) else _topk_bwd_op
-        return bwd(grad_loss, grad_tok, z, t, mask, scale, ctx.temperature), None, None, None, None, None, None
+        return _topk_bwd_op(grad_loss, grad_tok, z, t, mask, scale, ctx.temperature), None, None, None, None, None, None
 
 
 def topk_kd_loss(

@@ -8,11 +8,13 @@
 * :func:`quantize`: straight-through estimator fused with the commitment loss, ``vq_quantize`` op
   (eager: an ``autograd.Function`` over the same launchers).
 
-In eager mode the public functions call the launchers directly instead of going through the
-dispatcher: the update is not differentiable and a registered op costs tens of microseconds of host
-time per call, more than the whole update takes on the GPU at small shapes. Under ``torch.compile``
-they go through the registered ops, so tracing sees an op with a fake implementation and declared
-mutations. On CPU tensors without the Triton interpreter, the references in ``reference.py`` run.
+In plain eager mode (``_registry.plain_eager``: no tracing, no dispatch mode, plain tensors) the
+public functions call the launchers directly instead of going through the dispatcher, and bump the
+version counters of what they write in place: the update is not differentiable and a registered
+op costs tens of microseconds of host time per call, more than the whole update takes on the GPU at
+small shapes. Under ``torch.compile`` (or fake tensors) they go through the registered ops, so
+tracing sees an op with a fake implementation and declared mutations. On CPU tensors without the
+Triton interpreter, the references in ``reference.py`` run.
 """
 
 from __future__ import annotations
@@ -22,21 +24,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._registry import INTERPRET, register_op
+from .._registry import INTERPRET, bump_versions, plain_eager, register_op
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
 PRECISIONS = ("exact", "ieee", "fast")
 _COUNTER_EXACT = 1 << 24
-
-
-def _run(op, kernel_fn, reference_fn, device: torch.device, *args):
-    if torch.compiler.is_compiling():
-        return op(*args)
-    if device.type == "cuda" or INTERPRET:
-        return kernel_fn(*args)
-    return reference_fn(*args)
 
 
 # --- EMA update: accumulate -------------------------------------------------------------------------
@@ -199,8 +193,8 @@ def vq_ema_update(
     dev = codebook.device
     reset = 0.0 if active else float(threshold if reset_cluster_size is None else reset_cluster_size)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
-    compiling = torch.compiler.is_compiling()
-    if process_group is None and not compiling and (codebook.is_cuda or INTERPRET):
+    eager = plain_eager((x, codes, codebook, cluster_size, embed_sum, steps_since_active))
+    if process_group is None and eager and (codebook.is_cuda or INTERPRET):
         # Eager: the launchers directly, the keys as four kernel integers on CUDA (no key tensor) and
         # the statistics in a reused zeroed workspace (no allocation, no memset launch).
         L, K, D = kernels._levels(codebook)
@@ -211,8 +205,9 @@ def vq_ema_update(
         stats = kernels.ema_accumulate(x, codes, cluster_size, steps_since_active, det, bool(_check_codes), ws)
         kernels.ema_apply(x, codebook, cluster_size, embed_sum, steps_since_active, stats, key, decay, eps,
                           threshold, reset, restart_after_steps, active, 1, 0, ws)
+        bump_versions(codebook, cluster_size, embed_sum, steps_since_active)
         return
-    if codebook.dim() == 2 and (compiling or not (codebook.is_cuda or INTERPRET)):
+    if codebook.dim() == 2 and not (eager and (codebook.is_cuda or INTERPRET)):
         # the registered ops and the references take stacked levels; the launchers take either
         x, codes, codebook, cluster_size, embed_sum = (t.unsqueeze(0) for t in (x, codes, codebook, cluster_size,
                                                                               embed_sum))
@@ -226,16 +221,16 @@ def vq_ema_update(
         world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         if world > 1:
             dist.broadcast(key, src=dist.get_global_rank(process_group, 0), group=process_group)
-    stats = _run(_acc_op, kernels.ema_accumulate, _acc_reference, dev, x, codes, cluster_size, steps_since_active,
+    stats = _acc_op(x, codes, cluster_size, steps_since_active,
                  det, bool(_check_codes))
     if world > 1:
         dist.all_reduce(stats[: L * K * (D + 1)], group=process_group)
-    cand, dead = _run(_apply_op, kernels.ema_apply, _apply_reference, dev, x, codebook, cluster_size, embed_sum,
+    cand, dead = _apply_op(x, codebook, cluster_size, embed_sum,
                       steps_since_active, stats, key, float(decay), float(eps), float(threshold), reset,
                       int(restart_after_steps), active, world, rank)
     if world > 1:
         dist.all_reduce(cand, group=process_group)
-        _run(_restart_op, kernels.ema_restart, reference.ema_restart, dev, codebook, embed_sum, cand, dead, reset)
+        _restart_op(codebook, embed_sum, cand, dead, reset)
 
 
 def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=None,
@@ -248,7 +243,7 @@ def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=Non
     L, B, D = x.shape
     cs = torch.zeros(L, num_codes, device=x.device, dtype=torch.float32)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
-    stats = _run(_acc_op, kernels.ema_accumulate, _acc_reference, x.device, x, codes, cs, None, det, True)
+    stats = _acc_op(x, codes, cs, None, det, True)
     if process_group is not None:
         import torch.distributed as dist
 
@@ -307,7 +302,7 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
         raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return _run(_search_op, _search_kernel, _search_reference, x.device, x, codebook, bool(cosine), precision)
+    return _search_op(x, codebook, bool(cosine), precision)
 
 
 # --- straight-through quantisation + commitment loss ---------------------------------------------------------
@@ -359,7 +354,7 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("x", x, shape=(None, codebook.shape[1]), dtypes=FLOAT_DTYPES, device=codebook.device)
     check_tensor("codes", codes, shape=(x.shape[0],), dtypes=(torch.int64,), device=codebook.device)
-    if torch.compiler.is_compiling():
+    if not plain_eager((x, codes, codebook)):
         return _quantize_op(x, codes, codebook.detach(), float(beta))
     return _Quantize.apply(x, codes, codebook.detach(), float(beta))
 
