@@ -36,6 +36,10 @@ class Case:
     make: Callable[[], Callable[[], object]]
     bytes_moved: Optional[int] = None  # minimal HBM traffic, for the GB/s column
     flops: Optional[int] = None
+    #: timed this many times, in round-robin with the other multi-round cases; the result is the
+    #: round with the median time. For host-bound microsecond cases, whose one-off medians on a
+    #: shared host moved 3x between runs; every provider of a comparison gets the same rounds.
+    rounds: int = 1
 
 
 @dataclass
@@ -120,19 +124,34 @@ def _warm_gpu(case, seconds: float = 0.5) -> None:
 
 
 def run_cases(cases, *, log=print) -> list:
-    results = []
+    """Measure every case (in order, after warming the GPU on the first); cases with ``rounds > 1``
+    are measured again in later rounds, and keep the round with their median time."""
+    rounds = [[] for _ in cases]
     if cases:
         _warm_gpu(cases[0])
-    for case in cases:
-        try:
-            r = measure(case)
-        except torch.cuda.OutOfMemoryError as e:  # the eager reference can exceed the card at large K
-            log(f"  {case.op:<14} {case.provider:<14} {case.dtype:<9} {case.shape}  out of memory ({e.__class__.__name__})")
-            torch.cuda.empty_cache()
-            continue
-        results.append(r)
-        log(f"  {r.op:<14} {r.provider:<14} {r.dtype:<9} {_shape_str(r.shape):<28} {r.mode:<5} "
-            f"{r.ms:8.3f} ms  {r.peak_extra_mib:9.1f} MiB" + (f"  {r.gbps:7.0f} GB/s" if r.gbps else ""))
+    for r in range(max((c.rounds for c in cases), default=0)):
+        for case, got in zip(cases, rounds):
+            if r >= case.rounds:
+                continue
+            try:
+                res = measure(case)
+            except torch.cuda.OutOfMemoryError as e:  # the eager reference can exceed the card at large K
+                log(f"  {case.op:<14} {case.provider:<14} {case.dtype:<9} {case.shape}  out of memory ({e.__class__.__name__})")
+                torch.cuda.empty_cache()
+                continue
+            got.append(res)
+            tag = f"  (round {r + 1}/{case.rounds})" if case.rounds > 1 else ""
+            log(f"  {res.op:<14} {res.provider:<14} {res.dtype:<9} {_shape_str(res.shape):<28} {res.mode:<5} "
+                f"{res.ms:8.3f} ms  {res.peak_extra_mib:9.1f} MiB" + (f"  {res.gbps:7.0f} GB/s" if res.gbps else "")
+                + tag)
+    results = []
+    for got in rounds:
+        if got:
+            got.sort(key=lambda res: res.ms)
+            pick = got[(len(got) - 1) // 2]
+            if len(got) > 1:
+                pick.extra["rounds_ms"] = [round(res.ms, 5) for res in got]
+            results.append(pick)
     return results
 
 

@@ -1,0 +1,24 @@
+"""The benchmark harness's round-robin rounds (``Case.rounds``), with the timing stubbed out."""
+
+from sparsefuse.bench import harness
+
+
+def test_rounds_are_round_robin_and_keep_the_median(monkeypatch):
+    times = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0]), "c": iter([9.0, 7.0, 8.0])}
+    order = []
+
+    def fake_measure(case):
+        order.append(case.provider)
+        return harness.Result(op=case.op, provider=case.provider, shape=case.shape, dtype=case.dtype,
+                              mode=case.mode, ms=next(times[case.provider]), ms_q20=0.0, ms_q80=0.0,
+                              peak_extra_mib=0.0)
+
+    monkeypatch.setattr(harness, "measure", fake_measure)
+    monkeypatch.setattr(harness, "_warm_gpu", lambda case: None)
+    cases = [harness.Case(op="op", provider=p, shape={}, dtype="fp32", mode="fwd", make=lambda: None, rounds=r)
+             for p, r in (("a", 3), ("b", 1), ("c", 3))]
+    got = harness.run_cases(cases, log=lambda *a: None)
+    assert order == ["a", "b", "c", "a", "c", "a", "c"]
+    assert [(r.provider, r.ms) for r in got] == [("a", 3.0), ("b", 2.0), ("c", 8.0)]
+    assert got[0].extra["rounds_ms"] == [1.0, 3.0, 5.0] and "rounds_ms" not in got[1].extra
+    assert harness.run_cases([], log=None) == []
