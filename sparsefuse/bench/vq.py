@@ -6,6 +6,7 @@
   (32768, 4096, 256); x float32.
   Each EMA case is timed in three round-robin rounds and keeps its median round (every provider
   alike): the eager update is host-bound and one-off medians moved 3x between runs on the H200 host.
+  The ``vq_step`` cases (below) get the same three rounds.
   ``sparsefuse-graph`` replays the same op from a CUDA graph (it has no host sync, so it can be
   captured): its time is the kernels' device time, without Python's launch overhead.
 * ``search``: :func:`sparsefuse.nearest_code` against ``(||x||^2 - 2 x C^T + ||c||^2).argmin`` in
@@ -31,7 +32,7 @@ FAMILY = "vq"
 EMA_SHAPES = [(640, 256, 64), (16384, 1024, 128), (65536, 1024, 128), (32768, 4096, 256)]
 SEARCH_SHAPES = [(65536, 1024, 128), (65536, 4096, 256)]
 STEP_SHAPE = (65536, 1024, 128)
-EMA_ROUNDS = 3  # microsecond, host-bound cases: median of three round-robin rounds for every provider
+EMA_ROUNDS = 3  # host-bound cases (EMA, step): median of three round-robin rounds for every provider
 RESTART_AFTER = 10
 THRESHOLD = 2.0
 
@@ -133,7 +134,7 @@ def _step_case(provider, B, K, D):
         return step
 
     return harness.Case(op="vq_step", provider=provider, shape=dict(B=B, K=K, D=D), dtype="fp32", mode="full",
-                        make=make)
+                        make=make, rounds=EMA_ROUNDS)
 
 
 def _have_vqtorch() -> bool:
