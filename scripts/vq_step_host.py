@@ -3,7 +3,8 @@ row, its host enqueue time, and the host time of each public call it makes (GPU)
 import torch
 from triton.testing import do_bench
 
-from sparsefuse import nearest_code, quantize, vq_ema_update
+from sparsefuse import nearest_code, vq_ema_update
+from sparsefuse.vq import quantize
 from sparsefuse.bench import harness, vq as bvq
 
 B, K, D = bvq.STEP_SHAPE
