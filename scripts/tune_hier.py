@@ -36,7 +36,7 @@ for dtype, Ks in ((torch.float32, (32, 64, 128)), (torch.bfloat16, (32, 128))):
                 out[f"fwd {tag} {BB},{BD},{nw},{st}"] = t(lambda: kn._hierarchical_sae_fwd_kernel[grid](
                     idx, v, w, b, tg, etot, rl, B, K, D, F, D, 1, HAS_BIAS=True, ACC=tl.float32, **cfg))
                 out[f"bwd {tag} {BB},{BD},{nw},{st}"] = t(lambda: kn._hierarchical_sae_bwd_kernel[grid](
-                    idx, v, w, b, tg, etot, g1, gw, gv, B, K, D, F, D, 1, 1e-9, HAS_BIAS=True, WEIGHT_GRAD=1,
+                    idx, v, w, b, tg, etot, g1, gw, gv, B, K, D, F, D, 1, 1e-9, 0, D, HAS_BIAS=True, WEIGHT_GRAD=1,
                     STAGED_GV=False, ACC=tl.float32, **cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
                 print(tag, cfg, "failed:", str(e)[:200])

@@ -77,6 +77,33 @@ def test_matches_fp64_reference(op, B, K, F, D, dtype):
     check_against_fp64(op, *make(B, K, F, D, dtype), dtype)
 
 
+@pytest.mark.parametrize("B,K,F,D,chunks", [
+    pytest.param(3, 50, 5, 100, 2, id="B3-K50-F5-D100-two-chunks"),
+    pytest.param(37, 3, 64, 100, 2, id="B37-K3-F64-D100-two-chunks"),
+    pytest.param(4, 3, 300, 100, 1, id="B4-K3-F300-D100-one-chunk"),
+])
+def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, monkeypatch):
+    """16-bit weights stage the B*K gradient rows in their own dtype, in column chunks bounded by
+    the fp32 buffer atomics would need, and reduce them in a fixed order: fp64-reference accuracy,
+    the expected number of chunks, and bit-identical repeats without deterministic mode."""
+    from sparsefuse.sae import kernels
+
+    launches = []
+    real = kernels._launch
+
+    def spy(fn, grid, *args, **meta):
+        launches.append((fn, grid))
+        return real(fn, grid, *args, **meta)
+
+    monkeypatch.setattr(kernels, "_launch", spy)
+    args = make(B, K, F, D, torch.float16)
+    check_against_fp64("hierarchical", *args, torch.float16)
+    bwd = [grid for fn, grid in launches if fn is kernels._hierarchical_sae_bwd_kernel]
+    assert len(bwd) == chunks and sum(grid[1] for grid in bwd) == -(-D // 64)
+    first, second = (value_and_grads(sparsefuse.hierarchical_sae_loss, *args) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])

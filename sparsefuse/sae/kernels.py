@@ -18,7 +18,8 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
   atomics. Both run one program per (rows, D tile) with the D tile as the slow grid axis, so the
   programs in flight share one F x BLOCK_D slice of the decoder and of its gradient, and the
   gathers and atomics hit L2 (the whole F x D gradient is far larger than L2). Deterministic mode
-  stages the B*K rows and reuses the segmented sum instead.
+  stages the B*K rows and reuses the segmented sum instead, and so do 16-bit weights, whose rows
+  are staged in their own dtype (no fp32 buffer to zero and convert).
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def _hierarchical_sae_bwd_kernel(
     tgt_ptr,  # [B, D]
     etot_ptr,  # [B, D] ACC: E_0 from the forward
     g_ptr,  # [] incoming gradient of the loss
-    gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows
+    gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows;
+    #          3: [B * K, DC] staged rows of this launch's column chunk, unscaled, in the weight's dtype
     gv_ptr,  # STAGED_GV: [cdiv(D, BLOCK_D), B, K] ACC per-tile partials; else [B, K] ACC zeroed, atomic
     B,
     K,
@@ -245,8 +247,10 @@ def _hierarchical_sae_bwd_kernel(
     stride_wf,
     stride_wd,
     scale,  # c = 2 / (B * K * D)
+    T0,  # first D tile of this launch (grid axis 1 counts from it)
+    DC,  # WEIGHT_GRAD 3: columns per staged row (the chunk's width)
     HAS_BIAS: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr,  # 0: none, 1: atomic scatter into [F, D], 2: staged rows
+    WEIGHT_GRAD: tl.constexpr,  # 0: none, 1: atomic scatter into [F, D], 2 and 3: staged rows
     STAGED_GV: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -257,19 +261,24 @@ def _hierarchical_sae_bwd_kernel(
     from the saved E_0, one forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
 
     Same grid as the forward: the programs resident together share one D tile, so both the decoder
-    reads and the atomics into the F x BLOCK_D slice of the gradient stay in L2."""
-    i_t = tl.program_id(1)
+    reads and the atomics into the F x BLOCK_D slice of the gradient stay in L2. WEIGHT_GRAD 3 keeps
+    the sweep unscaled (s = 1 below) and stores v_j E_j rows, which a 16-bit dtype holds without
+    underflow; g c is applied by the segmented sum that reduces them."""
+    i_t = T0 + tl.program_id(1)
     o_b = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
     m_b, m_d = o_b < B, o_d < D
     m_bd = m_b[:, None] & m_d[None, :]
     gc = tl.load(g_ptr).to(ACC) * scale
-    b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gc  # g c E_j, from j = 0
-    b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC) * gc  # g c e_{j-1}
+    gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
+    b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs  # s E_j, from j = 0
+    b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC) * gs  # s e_{j-1}
     for i_k in tl.range(0, K, num_stages=STAGES):
         i_f, ok, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
                                             stride_wd, ACC)
         b_dot = tl.where(ok, tl.sum(b_s * b_w, axis=1), float("nan"))  # [BLOCK_B]
+        if WEIGHT_GRAD == 3:
+            b_dot *= gc
         if STAGED_GV:
             tl.store(gv_ptr + (i_t * B + o_b) * K + i_k, b_dot, mask=m_b)
         else:
@@ -279,7 +288,10 @@ def _hierarchical_sae_bwd_kernel(
                           mask=m_bd & ok[:, None], sem="relaxed")
         elif WEIGHT_GRAD == 2:
             tl.store(gw_ptr + (o_b[:, None] * K + i_k) * D + o_d[None, :], v[:, None] * b_s, mask=m_bd)
-        b_e += (v * gc)[:, None] * b_w
+        elif WEIGHT_GRAD == 3:
+            p_st = gw_ptr + (o_b[:, None] * K + i_k) * DC + (o_d - T0 * BLOCK_D)[None, :]
+            tl.store(p_st, (v[:, None] * b_s).to(gw_ptr.dtype.element_ty), mask=m_bd)
+        b_e += (v * gs)[:, None] * b_w
         b_s -= b_e
 
 
@@ -290,10 +302,11 @@ def _sae_weight_grad_kernel(
     vals_ptr,  # [B * K] per-entry weights (WEIGHTED)
     rows_ptr,  # [B, D], or [B * K, D] when ROW_PER_ENTRY
     scale_ptr,  # [] device scalar factor (HAS_SCALE)
-    gw_ptr,  # [F, D] out
+    gw_ptr,  # [F, D] out, row stride stride_gw
     wsum_ptr,  # [F] out: sum over entries of feature f of vals[e] (HAS_WSUM; written by the first D tile)
     K,
     D,
+    stride_gw,
     const_scale,
     WEIGHTED: tl.constexpr,
     ROW_PER_ENTRY: tl.constexpr,
@@ -328,7 +341,7 @@ def _sae_weight_grad_kernel(
     b_acc *= const_scale
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
-    tl.store(gw_ptr + i_f * D + o_d, b_acc.to(gw_ptr.dtype.element_ty), mask=m_d)
+    tl.store(gw_ptr + i_f * stride_gw + o_d, b_acc.to(gw_ptr.dtype.element_ty), mask=m_d)
     if HAS_WSUM:
         tl.store(wsum_ptr + i_f + tl.arange(0, 1), b_wsum, mask=tl.program_id(1) == 0)
 
@@ -412,31 +425,41 @@ def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Te
     return torch.arange(n, device=device, dtype=dtype)
 
 
-def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None, const_scale=1.0,
-                row_per_entry=False, wsum=None):
-    """Segmented sum: out[f] = const_scale * scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
-
-    ``row(e) = e // K`` (rows is [B, D]) or ``e`` (``row_per_entry``, rows is [B * K, D]).
-    ``entry_weights`` is ``vals`` ([B, K]) or None for weight 1. ``scale`` is an optional device scalar.
-    ``wsum``: optional [F] output that receives sum_{e: indices.flat[e] == f} w[e] (unscaled) in the
-    same pass. Entries are sorted stably by feature, so the sum order, and the result, is fixed run to run.
-    """
-    B, K = indices.shape
-    D = rows.shape[-1]
-    out = torch.empty(num_features, D, device=rows.device, dtype=out_dtype)
-    if num_features == 0 or (D == 0 and wsum is None):
-        return out
+def feature_segments(indices, num_features):
+    """(seg [F + 1], order [B * K]): entries sorted stably by feature; feature f owns the sorted
+    entries seg[f] .. seg[f + 1] - 1 (out-of-range ids, index checks off, fall in no segment)."""
     keys = indices.reshape(-1)
     if keys.dtype == torch.int64 and num_features < 2**31 - 1:
         # a radix sort over 4-byte keys takes half the time; the clamp keeps an out-of-range index
         # (index checks off) outside every segment instead of wrapping onto a real feature
         keys = keys.clamp(-1, num_features).to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
-    seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
+    return torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype)), order
+
+
+def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None, const_scale=1.0,
+                row_per_entry=False, wsum=None, out=None, segments=None):
+    """Segmented sum: out[f] = const_scale * scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
+
+    ``row(e) = e // K`` (rows is [B, D]) or ``e`` (``row_per_entry``, rows is [B * K, D]).
+    ``entry_weights`` is ``vals`` ([B, K]) or None for weight 1. ``scale`` is an optional device scalar.
+    ``wsum``: optional [F] output that receives sum_{e: indices.flat[e] == f} w[e] (unscaled) in the
+    same pass. ``out``: an [F, D] destination with unit column stride (a column slice of a wider
+    gradient) instead of a new tensor; ``segments``: :func:`feature_segments` of ``indices``, when the
+    caller reduces several column chunks. Entries are sorted stably by feature, so the sum order, and
+    the result, is fixed run to run.
+    """
+    B, K = indices.shape
+    D = rows.shape[-1]
+    if out is None:
+        out = torch.empty(num_features, D, device=rows.device, dtype=out_dtype)
+    if num_features == 0 or (D == 0 and wsum is None):
+        return out
+    seg, order = feature_segments(indices, num_features) if segments is None else segments
     grid = (num_features, max(triton.cdiv(D, _SEG_BLOCK_D), 1))
     _launch(_sae_weight_grad_kernel, grid,
         seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
-        wsum, K, D, const_scale,
+        wsum, K, D, out.stride(0), const_scale,
         WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
         HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc_dtype(rows, entry_weights)), BLOCK_D=_SEG_BLOCK_D,
         num_warps=_SEG_WARPS,
@@ -592,12 +615,25 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     return row_loss.sum() / (B * K * D), etot
 
 
+def _stage_tiles(F: int, D: int, BK: int, itemsize: int, block_d: int) -> int:
+    """D tiles per staged chunk: the [B * K, chunk] staging buffer stays within the F x D fp32
+    buffer the atomic path would zero (at least one tile)."""
+    return max(1, min(triton.cdiv(D, block_d), (F * D * 4) // max(BK * itemsize * block_d, 1)))
+
+
 def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC), all scaled by grad_loss.
 
-    The weight gradient is scattered with fp32 atomics into a zeroed buffer (the output itself for an
-    fp32 weight), or, when ``deterministic``, staged as B*K rows and reduced in a fixed order; gv
-    likewise goes through atomics, or per-D-tile partials summed in a fixed order.
+    The weight gradient, by the weight's dtype:
+
+    * fp32 (fp64): scattered with atomics into the zeroed output; when ``deterministic``, staged as
+      B*K ACC rows and reduced in a fixed order instead.
+    * fp16 / bf16: staged as B*K rows v_j E_j in the weight's dtype, in column chunks that fit the
+      F x D fp32 buffer atomics would need, each chunk reduced by the segmented sum in fp32 straight
+      into the 16-bit output (deterministic either way). Atomics would need that fp32 buffer zeroed
+      and then converted, 0.13 + 0.2 ms at F = 65536, D = 2304, which made bf16 slower than fp32.
+
+    gv goes through atomics, or per-D-tile partials summed in a fixed order when ``deterministic``.
     """
     B, K = indices.shape
     F, D = weight.shape
@@ -605,30 +641,46 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(acc)
     grad_bias = etot.sum(0).mul_(g * c)
-    mode, buf = 0, None
-    if need_weight_grad:
-        mode = 2 if deterministic else 1
-        buf = (torch.empty(B * K, D, device=vals.device, dtype=acc) if deterministic
-               else torch.zeros(F, D, device=vals.device, dtype=acc))
-    if B > 0 and D > 0:
-        cfg = _hier_config(D, weight.element_size(), backward=True)
-        grid = _hier_grid(B, D, cfg)
-        gv = (torch.empty(grid[1], B, K, device=vals.device, dtype=acc) if deterministic
-              else torch.zeros(B, K, device=vals.device, dtype=acc))
-        _launch(_hierarchical_sae_bwd_kernel, grid,
-            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, gv,
-            B, K, D, F, *_weight_strides(weight), c,
-            HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, ACC=_tl_dtype(acc), **cfg,
-        )
-        grad_vals = (gv.sum(0) if deterministic else gv).to(vals.dtype)
-    else:
-        grad_vals = torch.zeros(B, K, device=vals.device, dtype=vals.dtype)
-        if mode == 2:
+    half = weight.element_size() == 2
+    mode = 0 if not need_weight_grad else 3 if half else 2 if deterministic else 1
+    cfg = _hier_config(D, weight.element_size(), backward=True)
+    n_tiles = triton.cdiv(D, cfg["BLOCK_D"])
+    chunk = _stage_tiles(F, D, B * K, weight.element_size(), cfg["BLOCK_D"]) if mode == 3 else n_tiles
+    buf = grad_weight = None
+    if mode == 1:
+        buf = torch.zeros(F, D, device=vals.device, dtype=acc)
+    elif mode == 2:
+        buf = torch.empty(B * K, D, device=vals.device, dtype=acc)
+    elif mode == 3:
+        grad_weight = torch.empty(F, D, device=vals.device, dtype=weight.dtype)
+        buf = torch.empty(B * K, min(chunk * cfg["BLOCK_D"], D), device=vals.device, dtype=weight.dtype)
+        segments = feature_segments(indices, F)
+    if B == 0 or D == 0:
+        if buf is not None:
             buf.zero_()
+        if mode == 3:
+            grad_weight.zero_()
+        grad_vals = torch.zeros(B, K, device=vals.device, dtype=vals.dtype)
+    else:
+        gv = (torch.empty(n_tiles, B, K, device=vals.device, dtype=acc) if deterministic
+              else torch.zeros(B, K, device=vals.device, dtype=acc))
+        args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, gv,
+                B, K, D, F, *_weight_strides(weight), c)
+        meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, ACC=_tl_dtype(acc), **cfg)
+        for t0 in range(0, n_tiles, chunk):
+            tiles = min(chunk, n_tiles - t0)
+            d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)
+            _launch(_hierarchical_sae_bwd_kernel, (triton.cdiv(B, cfg["BLOCK_B"]), tiles), *args, t0,
+                    d1 - d0 if mode == 3 else D, **meta)
+            if mode == 3:  # the chunk's rows are packed [B * K, d1 - d0] at the start of buf
+                rows = buf.view(-1)[: B * K * (d1 - d0)].view(B * K, d1 - d0)
+                weight_grad(indices, rows, None, F, weight.dtype, scale=g, const_scale=c, row_per_entry=True,
+                            out=grad_weight[:, d0:d1], segments=segments)
+        grad_vals = (gv.sum(0) if deterministic else gv).to(vals.dtype)
     if mode == 2:
         grad_weight = weight_grad(indices, buf, None, F, weight.dtype, row_per_entry=True)
     elif mode == 1:
-        grad_weight = buf.to(weight.dtype)
-    else:
+        grad_weight = buf  # ACC is the weight's dtype here
+    elif mode == 0:
         grad_weight = weight.new_empty(0)
     return grad_vals, grad_weight, grad_bias
