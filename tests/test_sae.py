@@ -59,9 +59,9 @@ def value_and_grads(fn, idx, weight, vals, bias, target):
     return [out] + list(torch.autograd.grad(out, params, grad_out))
 
 
-def check_against_fp64(op, idx, weight, vals, bias, target, dtype, scale=1.0):
+def check_against_fp64(op, idx, weight, vals, bias, target, dtype, scale=1.0, fn=None):
     ours, refn = OPS[op]
-    got = value_and_grads(ours, idx, weight, vals, bias, target)
+    got = value_and_grads(fn or ours, idx, weight, vals, bias, target)
     want = value_and_grads(refn, idx, *(None if t is None else t.double() for t in (weight, vals, bias, target)))
     names = ["value", "grad_weight", "grad_vals", "grad_bias"]
     for name, a, b in zip(names, got, want):
@@ -77,15 +77,17 @@ def test_matches_fp64_reference(op, B, K, F, D, dtype):
     check_against_fp64(op, *make(B, K, F, D, dtype), dtype)
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
 @pytest.mark.parametrize("B,K,F,D,chunks", [
     pytest.param(3, 50, 5, 100, 2, id="B3-K50-F5-D100-two-chunks"),
     pytest.param(37, 3, 64, 100, 2, id="B37-K3-F64-D100-two-chunks"),
     pytest.param(4, 3, 300, 100, 1, id="B4-K3-F300-D100-one-chunk"),
 ])
-def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, monkeypatch):
+def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, deterministic, monkeypatch):
     """16-bit weights stage the B*K gradient rows in their own dtype, in column chunks bounded by
-    the fp32 buffer atomics would need, and reduce them in a fixed order: fp64-reference accuracy,
-    the expected number of chunks, and bit-identical repeats without deterministic mode."""
+    the F x D fp32 buffer atomics would need, and reduce them in a fixed order: always in
+    deterministic mode, and by default when one chunk holds every column (else fp32 atomics, one
+    sweep). fp64-reference accuracy, the expected sweeps, bit-identical repeats when staged."""
     from sparsefuse.sae import kernels
 
     launches = []
@@ -96,12 +98,15 @@ def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, monkeypatch):
         return real(fn, grid, *args, **meta)
 
     monkeypatch.setattr(kernels, "_launch", spy)
+    loss = lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=deterministic)  # noqa: E731
     args = make(B, K, F, D, torch.float16)
-    check_against_fp64("hierarchical", *args, torch.float16)
+    check_against_fp64("hierarchical", *args, torch.float16, fn=loss)
+    staged = deterministic or chunks == 1
     bwd = [grid for fn, grid in launches if fn is kernels._hierarchical_sae_bwd_kernel]
-    assert len(bwd) == chunks and sum(grid[1] for grid in bwd) == -(-D // 64)
-    first, second = (value_and_grads(sparsefuse.hierarchical_sae_loss, *args) for _ in range(2))
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert len(bwd) == (chunks if staged else 1) and sum(grid[1] for grid in bwd) == -(-D // 64)
+    if staged:
+        first, second = (value_and_grads(loss, *args) for _ in range(2))
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.parametrize("op", list(OPS))
