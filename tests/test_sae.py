@@ -393,16 +393,22 @@ def test_gpu_matches_fp64_reference(op, dtype, B, K, F, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
 @pytest.mark.parametrize("op", list(OPS))
-def test_gpu_more_than_2_31_weight_elements(op):
-    """F * D > 2^31: row offsets must be 64-bit. Compared on the touched rows only (the fp64
-    reference of the full dictionary would not fit comfortably)."""
+def test_gpu_more_than_2_31_weight_elements(op, layout):
+    """F * D > 2^31: row offsets, and for a column-major weight (a transposed view) column offsets,
+    must be 64-bit. Compared on the touched rows only (the fp64 reference of the full dictionary
+    would not fit comfortably)."""
     F, D, B, K = 1_100_000, 2000, 64, 32
     assert F * D > 2**31
     g = torch.Generator(device="cuda").manual_seed(0)
     idx = torch.randint(F - 5000, F, (B, K), device="cuda", generator=g)
     idx[:, 0] = torch.arange(B, device="cuda")  # also some rows near the start
-    weight = torch.randn(F, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    if layout == "row-major":
+        weight = torch.randn(F, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    else:
+        weight = torch.randn(D, F, device="cuda", dtype=torch.bfloat16, generator=g).t()
+        assert weight.stride() == (1, F) and (D - 1) * F > 2**31
     vals = torch.rand(B, K, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(D, device="cuda", generator=g).to(torch.bfloat16)
     target = torch.randn(B, D, device="cuda", generator=g).to(torch.bfloat16)

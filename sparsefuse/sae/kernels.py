@@ -109,7 +109,7 @@ def _sae_decode_fwd_kernel(
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
         m_w = m_ok[:, None] & m_d[None, :]
-        b_w = tl.load(p_rows[:, None] + o_d[None, :] * stride_wd, mask=m_w, other=0).to(ACC)  # [BLOCK_K, BLOCK_D]
+        b_w = tl.load(p_rows[:, None] + o_d[None, :].to(tl.int64) * stride_wd, mask=m_w, other=0).to(ACC)
         b_r = tl.sum(b_v[:, None] * b_w, axis=0)  # [BLOCK_D]
         if HAS_BIAS:
             b_r += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
@@ -178,7 +178,8 @@ def _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, s
     ok = (i_f >= 0) & (i_f < F)
     v = tl.where(ok, tl.load(vals_ptr + o_b * K + i_k, mask=m_b, other=0).to(ACC), float("nan"))
     m_w = (m_b & ok)[:, None] & m_d[None, :]
-    b_w = tl.load(w_ptr + i_f[:, None] * stride_wf + o_d[None, :] * stride_wd, mask=m_w, other=0).to(ACC)
+    b_w = tl.load(w_ptr + i_f[:, None] * stride_wf + o_d[None, :].to(tl.int64) * stride_wd, mask=m_w,
+                  other=0).to(ACC)
     return i_f, ok, v, b_w
 
 
