@@ -342,7 +342,10 @@ def hierarchical_sae_loss(
     the backward reads them once more. The weight gradient is scattered with fp32 atomics (the
     summation order, and so the last bits, vary run to run) unless ``deterministic=True`` or
     ``torch.use_deterministic_algorithms(True)`` (read when the loss is computed), which stages the
-    B*K gradient rows (B*K*D extra floats) and reduces them in a fixed order instead.
+    B*K gradient rows and reduces them in a fixed order instead (B*K*D extra floats for fp32
+    weights; for 16-bit weights the rows are kept in the weight's dtype, a column chunk at a time,
+    within the bytes of an F x D fp32 buffer). A 16-bit weight's gradient is otherwise accumulated
+    in an F x D fp32 buffer and converted, or, when B*K <= 2F, staged in one chunk as above.
     """
     _check_inputs(indices, weight, vals, bias, target)
     return _hier_op(indices, weight, vals, bias, target, _use_deterministic(deterministic))[0]
