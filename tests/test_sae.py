@@ -77,17 +77,8 @@ def test_matches_fp64_reference(op, B, K, F, D, dtype):
     check_against_fp64(op, *make(B, K, F, D, dtype), dtype)
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
-@pytest.mark.parametrize("B,K,F,D,chunks", [
-    pytest.param(3, 50, 5, 100, 2, id="B3-K50-F5-D100-two-chunks"),
-    pytest.param(37, 3, 64, 100, 2, id="B37-K3-F64-D100-two-chunks"),
-    pytest.param(4, 3, 300, 100, 1, id="B4-K3-F300-D100-one-chunk"),
-])
-def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, deterministic, monkeypatch):
-    """16-bit weights stage the B*K gradient rows in their own dtype, in column chunks bounded by
-    the F x D fp32 buffer atomics would need, and reduce them in a fixed order: always in
-    deterministic mode, and by default when one chunk holds every column (else fp32 atomics, one
-    sweep). fp64-reference accuracy, the expected sweeps, bit-identical repeats when staged."""
+def _spy_launches(monkeypatch):
+    """A list that records (kernel, grid) of every SAE kernel launch from now on."""
     from sparsefuse.sae import kernels
 
     launches = []
@@ -98,15 +89,49 @@ def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, deterministic,
         return real(fn, grid, *args, **meta)
 
     monkeypatch.setattr(kernels, "_launch", spy)
+    return launches
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+@pytest.mark.parametrize("B,K,F,D,chunks,fits", [
+    pytest.param(3, 50, 5, 100, 2, False, id="B3-K50-F5-D100-two-chunks"),
+    pytest.param(37, 3, 40, 100, 2, False, id="B37-K3-F40-D100-two-chunks"),
+    pytest.param(37, 3, 64, 100, 1, True, id="B37-K3-F64-D100-fits-narrow-last-tile"),
+    pytest.param(4, 3, 300, 100, 1, True, id="B4-K3-F300-D100-fits"),
+    pytest.param(64, 8, 4, 64, 1, False, id="B64-K8-F4-D64-one-tile-too-big"),
+])
+def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, fits, deterministic, monkeypatch):
+    """bf16 weights stage the B*K gradient rows in bf16, in column chunks bounded by the F x D fp32
+    buffer atomics would need, and reduce them in a fixed order: always in deterministic mode, and
+    by default only when all the rows fit in that buffer's bytes (B*K <= 2F; one D tile is not
+    enough). Run in fp16 here (the interpreter's bf16 arithmetic is wrong): fp64-reference
+    accuracy, the expected sweeps and segmented sums."""
+    from sparsefuse.sae import kernels
+
+    monkeypatch.setattr(kernels, "_STAGE_DTYPES", (torch.float16,))
+    launches = _spy_launches(monkeypatch)
     loss = lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=deterministic)  # noqa: E731
     args = make(B, K, F, D, torch.float16)
     check_against_fp64("hierarchical", *args, torch.float16, fn=loss)
-    staged = deterministic or chunks == 1
+    staged = deterministic or fits
     bwd = [grid for fn, grid in launches if fn is kernels._hierarchical_sae_bwd_kernel]
+    sums = [fn for fn, _ in launches if fn is kernels._sae_weight_grad_kernel]
     assert len(bwd) == (chunks if staged else 1) and sum(grid[1] for grid in bwd) == -(-D // 64)
-    if staged:
-        first, second = (value_and_grads(loss, *args) for _ in range(2))
-        assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert len(sums) == (len(bwd) if staged else 0)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+@pytest.mark.parametrize("B,K,F,D", [(2, 4, 3, 128), (2, 4, 64, 16)])
+def test_hierarchical_fp16_large_errors_stay_finite(B, K, F, D, deterministic):
+    """fp16 weights never hold unscaled gradient rows v_j E_j, which can pass 65504 when the
+    gradient itself is small enough for fp16: every path matches the fp64 reference."""
+    idx, weight, vals, bias, target = make(B, K, F, D, torch.float16)
+    vals = torch.full_like(vals, 60.0)
+    target = (target.float() * 300).half()
+    loss = lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=deterministic)  # noqa: E731
+    got = value_and_grads(loss, idx, weight, vals, bias, target)
+    assert all(torch.isfinite(t).all() for t in got)
+    check_against_fp64("hierarchical", idx, weight, vals, bias, target, torch.float16, fn=loss)
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -228,8 +253,11 @@ def test_grad_output_scaling():
 
 
 @pytest.mark.parametrize("op", ["sae_decode", "topk_sae_loss", "hierarchical_sae_loss"])
-def test_opcheck(op):
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_opcheck(op, layout):
     idx, weight, vals, bias, target = make(3, 2, 4, 5, torch.float32)
+    if layout == "column-major":  # the fake gradients must have the real (contiguous) strides
+        weight = weight.t().contiguous().t()
     weight.requires_grad_()
     vals.requires_grad_()
     bias.requires_grad_()
@@ -250,16 +278,19 @@ def test_gradcheck_fp64(op):
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_torch_compile_fullgraph_parity(op):
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_torch_compile_fullgraph_parity(op, layout):
     idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
+    if layout == "column-major":
+        weight = weight.t().contiguous().t()
     fn = OPS[op][0]
 
     def step(w, v, b):
         out = fn(idx, w, v, b, target)
         return out.square().sum() if out.dim() else out
 
-    eager = [t.clone().requires_grad_() for t in (weight, vals, bias)]
-    comp = [t.clone().requires_grad_() for t in (weight, vals, bias)]
+    eager = [t.detach().clone().requires_grad_() for t in (weight, vals, bias)]
+    comp = [t.detach().clone().requires_grad_() for t in (weight, vals, bias)]
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
     le, lc = step(*eager), compiled(*comp)
@@ -393,35 +424,37 @@ def test_gpu_matches_fp64_reference(op, dtype, B, K, F, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
 @pytest.mark.parametrize("op", list(OPS))
-def test_gpu_more_than_2_31_weight_elements(op, layout):
+def test_gpu_more_than_2_31_weight_elements(op, layout, dtype):
     """F * D > 2^31: row offsets, and for a column-major weight (a transposed view) column offsets,
     must be 64-bit. Compared on the touched rows only (the fp64 reference of the full dictionary
-    would not fit comfortably)."""
+    would not fit comfortably). fp32 takes the hierarchical loss through the atomic scatter into
+    the F x D gradient; bf16 (B*K <= 2F here) through the staged rows."""
     F, D, B, K = 1_100_000, 2000, 64, 32
     assert F * D > 2**31
     g = torch.Generator(device="cuda").manual_seed(0)
     idx = torch.randint(F - 5000, F, (B, K), device="cuda", generator=g)
     idx[:, 0] = torch.arange(B, device="cuda")  # also some rows near the start
     if layout == "row-major":
-        weight = torch.randn(F, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        weight = torch.randn(F, D, device="cuda", dtype=dtype, generator=g)
     else:
-        weight = torch.randn(D, F, device="cuda", dtype=torch.bfloat16, generator=g).t()
+        weight = torch.randn(D, F, device="cuda", dtype=dtype, generator=g).t()
         assert weight.stride() == (1, F) and (D - 1) * F > 2**31
-    vals = torch.rand(B, K, device="cuda", generator=g).to(torch.bfloat16)
-    bias = torch.randn(D, device="cuda", generator=g).to(torch.bfloat16)
-    target = torch.randn(B, D, device="cuda", generator=g).to(torch.bfloat16)
+    vals = torch.rand(B, K, device="cuda", generator=g).to(dtype)
+    bias = torch.randn(D, device="cuda", generator=g).to(dtype)
+    target = torch.randn(B, D, device="cuda", generator=g).to(dtype)
     got = value_and_grads(OPS[op][0], idx, weight, vals, bias, target)
     uniq, inv = torch.unique(idx, return_inverse=True)
     want = value_and_grads(OPS[op][1], inv, weight[uniq].double(), vals.double(), bias.double(), target.double())
-    assert_close(got[0], want[0], torch.bfloat16, "value")
-    assert_close(got[1][uniq], want[1], torch.bfloat16, "grad_weight (touched rows)")
+    assert_close(got[0], want[0], dtype, "value")
+    assert_close(got[1][uniq], want[1], dtype, "grad_weight (touched rows)")
     untouched = torch.ones(F, dtype=torch.bool, device="cuda")
     untouched[uniq] = False
     assert not got[1][untouched].any()
-    assert_close(got[2], want[2], torch.bfloat16, "grad_vals")
-    assert_close(got[3], want[3], torch.bfloat16, "grad_bias")
+    assert_close(got[2], want[2], dtype, "grad_vals")
+    assert_close(got[3], want[3], dtype, "grad_bias")
 
 
 @pytest.mark.gpu
