@@ -6,7 +6,11 @@ switched on before anything imports triton. GPU tier: ``pytest -m gpu`` on a CUD
 
 import os
 
-import torch
+# Compile every test graph afresh: Inductor's on-disk cache keys do not cover a custom op's fake
+# implementation, so a graph compiled before a fake changed would be replayed with stale strides.
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
