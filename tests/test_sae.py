@@ -118,6 +118,9 @@ def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, fits, determin
     sums = [fn for fn, _ in launches if fn is kernels._sae_weight_grad_kernel]
     assert len(bwd) == (chunks if staged else 1) and sum(grid[1] for grid in bwd) == -(-D // 64)
     assert len(sums) == (len(bwd) if staged else 0)
+    # one chunk (or the converted fp32 buffer): the forward ran the backward's sweep too
+    fwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_fwd_kernel]
+    assert len(fwd) == (1 if staged and chunks > 1 else 0)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
@@ -132,6 +135,48 @@ def test_hierarchical_fp16_large_errors_stay_finite(B, K, F, D, deterministic):
     got = value_and_grads(loss, idx, weight, vals, bias, target)
     assert all(torch.isfinite(t).all() for t in got)
     check_against_fp64("hierarchical", idx, weight, vals, bias, target, torch.float16, fn=loss)
+
+
+HIER_FUSED_CASES = [  # (weight dtype, deterministic, what requires grad, fused forward expected)
+    pytest.param(torch.float16, False, ("weight", "vals", "bias"), True, id="fp16-buffer-converted"),
+    pytest.param(torch.float32, True, ("weight", "vals", "bias"), True, id="fp32-deterministic-staged"),
+    pytest.param(torch.float32, False, ("vals", "bias"), True, id="fp32-frozen-decoder"),
+    pytest.param(torch.float32, False, ("weight", "vals", "bias"), False, id="fp32-atomics-two-passes"),
+    pytest.param(torch.float32, False, ("bias",), False, id="fp32-bias-only"),
+    pytest.param(torch.float32, False, (), False, id="fp32-nothing-requires-grad"),
+]
+
+
+@pytest.mark.parametrize("dtype,deterministic,wanted,fused", HIER_FUSED_CASES)
+def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, monkeypatch):
+    """The forward runs the backward's sweep too (one launch, no separate forward kernel) exactly
+    when a gradient is wanted and the backward has a pass that can scale it; the results match the
+    fp64 reference either way, through a second backward of the same graph and with an incoming
+    gradient other than 1."""
+    from sparsefuse.sae import kernels
+
+    idx, weight, vals, bias, target = make(37, 5, 11, 100, dtype)
+    ours = dict(weight=weight, vals=vals, bias=bias)
+    theirs = {k: t.double() for k, t in ours.items()}
+    for k in wanted:
+        ours[k].requires_grad_()
+        theirs[k].requires_grad_()
+    launches = _spy_launches(monkeypatch)
+    loss = sparsefuse.hierarchical_sae_loss(idx, **ours, target=target, deterministic=deterministic) * -1.5
+    fwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_fwd_kernel]
+    bwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_bwd_kernel]
+    assert (len(fwd), len(bwd)) == ((0, 1) if fused else (1, 0))
+
+    want = ref.hierarchical_sae_loss(idx, **theirs, target=target.double()) * -1.5
+    assert_close(loss, want, dtype, "value")
+    if not wanted:
+        return
+    first = torch.autograd.grad(loss, [ours[k] for k in wanted], retain_graph=True)
+    again = torch.autograd.grad(loss, [ours[k] for k in wanted])
+    for name, a, b, w in zip(wanted, first, again, torch.autograd.grad(want, [theirs[k] for k in wanted])):
+        assert torch.equal(a, b), name
+        assert_close(a, w, dtype, f"grad_{name}")
+        assert a.dtype == dtype
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -269,21 +314,40 @@ def test_opcheck(op, layout):
     torch.library.opcheck(getattr(torch.ops.sparsefuse, op).default, args)
 
 
-@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("need_weight,deterministic", [(True, True), (True, False), (False, False)],
+                         ids=["staged", "buffer", "no-weight-grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_opcheck_hierarchical_fused_ops(need_weight, deterministic, dtype):
+    """The fused forward's op and the op that finishes its gradients, in each of their layouts."""
+    idx, weight, vals, bias, target = make(3, 2, 4, 5, dtype)
+    args = (idx, weight.requires_grad_(need_weight), vals.requires_grad_(), bias, target, need_weight, deterministic)
+    torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_grads.default, args)
+    _, etot, gv, stage = torch.ops.sparsefuse.hierarchical_sae_loss_grads(*args)
+    mode = 0 if not need_weight else 2 if deterministic else 1
+    torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_finish.default,
+                          (torch.tensor(0.5), idx, etot, gv, stage, 4, dtype, dtype, mode))
+
+
+@pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
 def test_gradcheck_fp64(op):
     idx, weight, vals, bias, target = make(3, 3, 4, 5, torch.float64)
     params = [t.clone().requires_grad_() for t in (weight, vals, bias)]
-    fn = lambda w, v, b: OPS[op][0](idx, w, v, b, target)  # noqa: E731
+    fn = lambda w, v, b: (_hier_deterministic if op == "hierarchical-fused" else OPS[op][0])(idx, w, v, b, target)  # noqa: E731
     assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("op", list(OPS))
+def _hier_deterministic(*args):
+    return sparsefuse.hierarchical_sae_loss(*args, deterministic=True)
+
+
+@pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
 def test_torch_compile_fullgraph_parity(op, layout):
+    """hierarchical-fused: deterministic mode, whose forward also runs the backward's sweep."""
     idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
     if layout == "column-major":
         weight = weight.t().contiguous().t()
-    fn = OPS[op][0]
+    fn = _hier_deterministic if op == "hierarchical-fused" else OPS[op][0]
 
     def step(w, v, b):
         out = fn(idx, w, v, b, target)

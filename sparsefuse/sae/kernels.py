@@ -241,6 +241,7 @@ def _hierarchical_sae_bwd_kernel(
     gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows;
     #          3: [B * K, DC] staged rows of this launch's column chunk, unscaled, in the weight's dtype
     gv_ptr,  # STAGED_GV: [cdiv(D, BLOCK_D), B, K] ACC per-tile partials; else [B, K] ACC zeroed, atomic
+    loss_ptr,  # FUSED: [cdiv(D, BLOCK_D), B] ACC out, as in the forward kernel
     B,
     K,
     D,
@@ -253,6 +254,7 @@ def _hierarchical_sae_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr,  # 0: none, 1: atomic scatter into [F, D], 2 and 3: staged rows
     STAGED_GV: tl.constexpr,
+    FUSED: tl.constexpr,  # run the forward sweep first (etot_ptr, loss_ptr out) and leave g * c out
     ACC: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -264,16 +266,39 @@ def _hierarchical_sae_bwd_kernel(
     Same grid as the forward: the programs resident together share one D tile, so both the decoder
     reads and the atomics into the F x BLOCK_D slice of the gradient stay in L2. WEIGHT_GRAD 3 keeps
     the sweep unscaled (s = 1 below) and stores v_j E_j rows, which a 16-bit dtype holds without
-    underflow; g c is applied by the segmented sum that reduces them."""
+    underflow; g c is applied by the segmented sum that reduces them.
+
+    FUSED: the loss's forward and backward in one launch, for when the gradient is wanted. The
+    program first sweeps the latents as ``_hierarchical_sae_fwd_kernel`` does (loss partials and E_0
+    out), then runs the sweep below over the same rows, which its first sweep left in L1 / L2. The
+    incoming gradient is not known yet, so everything stays unscaled (g = 1, c = 1): gv and the
+    weight-gradient rows get g * c from the pass that finishes them (``hierarchical_grads_finish``)."""
     i_t = T0 + tl.program_id(1)
     o_b = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
     m_b, m_d = o_b < B, o_d < D
     m_bd = m_b[:, None] & m_d[None, :]
-    gc = tl.load(g_ptr).to(ACC) * scale
-    gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
-    b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs  # s E_j, from j = 0
-    b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC) * gs  # s e_{j-1}
+    if FUSED:
+        b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
+        b_e = b_off
+        b_s = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
+        b_loss = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
+        for i_k in tl.range(0, K, num_stages=STAGES):
+            _, _, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
+                                             stride_wd, ACC)
+            b_e += v[:, None] * b_w
+            b_loss += b_e * b_e
+            b_s += b_e
+        tl.store(etot_ptr + o_b[:, None] * D + o_d[None, :], b_s, mask=m_bd)
+        tl.store(loss_ptr + i_t * B + o_b, tl.sum(tl.where(m_bd, b_loss, 0.0), axis=1), mask=m_b)
+        gc = tl.full([], 1.0, ACC)
+        gs = gc
+        b_e = b_off  # e_{j-1}, from j = 0
+    else:
+        gc = tl.load(g_ptr).to(ACC) * scale
+        gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
+        b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs  # s E_j, from j = 0
+        b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC) * gs  # s e_{j-1}
     for i_k in tl.range(0, K, num_stages=STAGES):
         i_f, ok, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
                                             stride_wd, ACC)
@@ -386,6 +411,23 @@ def _unit_rows_kernel(
             tl.store(p_g + o_d.to(tl.int64) * stride_gd, (b_g - coef * b_w).to(g_ptr.dtype.element_ty), mask=m_d)
         else:
             tl.store(p_w + o_d.to(tl.int64) * stride_wd, (b_w * inv).to(w_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _scale_cast_kernel(
+    src_ptr,  # [N] ACC, contiguous
+    dst_ptr,  # [N] out, contiguous
+    g_ptr,  # [] device scalar
+    scale,
+    N,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """dst = g * scale * src, converted to dst's dtype on the store: one read and one write."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    gs = tl.load(g_ptr).to(ACC) * scale
+    tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,25 +666,110 @@ def _stage_tiles(F: int, D: int, BK: int, itemsize: int, block_d: int) -> int:
     return max(1, min(triton.cdiv(D, block_d), (F * D * 4) // max(BK * itemsize * block_d, 1)))
 
 
-_STAGE_DTYPES = (torch.bfloat16,)  # see hierarchical_loss_bwd
+_STAGE_DTYPES = (torch.bfloat16,)  # see hierarchical_plan
+
+
+def hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic):
+    """(mode, tiles per launch, tiles): how the hierarchical backward gets the weight gradient.
+
+    mode 0, no weight gradient; 1, fp32 atomics into a zeroed F x D ACC buffer (the output itself
+    for fp32 weights, converted to fp16 / bf16 after); 2, ``deterministic`` fp32 / fp64 / fp16
+    weights: B*K ACC rows staged and reduced in a fixed order; 3, bf16 weights when
+    ``deterministic``, or when B*K bf16 rows fit in that fp32 buffer's bytes (B*K <= 2F): rows
+    v_j E_j staged in bf16, in column chunks within the buffer's bytes, each chunk reduced by the
+    segmented sum in fp32 straight into the output. At F = 65536, D = 2304, K = 32 on an H200 mode 3
+    is 0.09 ms faster than zeroing and converting the buffer (0.13 + 0.2 ms); with two chunks or
+    more (K >= 64) it is 0.13-0.7 ms slower, so atomics stay. fp16 is never staged in its own dtype:
+    unscaled rows v_j E_j can exceed its range (65504), and scaled ones underflow.
+    """
+    itemsize = weight_dtype.itemsize
+    block_d = _hier_config(D, itemsize, backward=True)["BLOCK_D"]
+    n_tiles = triton.cdiv(D, block_d)
+    stage16 = weight_dtype in _STAGE_DTYPES and (deterministic or B * K * itemsize <= 4 * F)
+    mode = 0 if not need_weight_grad else 3 if stage16 else 2 if deterministic else 1
+    chunk = _stage_tiles(F, D, B * K, itemsize, block_d) if mode == 3 else n_tiles
+    return mode, chunk, n_tiles
+
+
+def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, deterministic) -> bool:
+    """Whether the forward may run the backward's sweep too (``hierarchical_loss_fwd_grads``).
+
+    It leaves every gradient unscaled, so it pays off only where the backward has a pass that can
+    apply g * c on the way: the gv [B, K] scaling, the conversion of a 16-bit weight's fp32
+    buffer, or the segmented sum of staged rows in one column chunk. fp32 (and fp64) weights on the
+    atomic path have none: scaling their F x D gradient would cost a read and a write of it and a
+    second F x D buffer, more than the forward sweep it saves."""
+    mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
+    return chunk >= n_tiles and not (mode == 1 and weight_dtype == acc)
+
+
+def hierarchical_stage_shape(B, K, F, D, weight_dtype, acc, mode):
+    """(shape, dtype) of the unscaled weight-gradient data the fused forward hands the backward."""
+    return {0: ((0,), acc), 1: ((F, D), acc), 2: ((B * K, D), acc), 3: ((B * K, D), weight_dtype)}[mode]
+
+
+def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+    """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss and its unscaled gradients in
+    one launch (``FUSED`` sweep); :func:`hierarchical_grads_finish` applies the incoming gradient.
+
+    gv holds T = cdiv(D, BLOCK_D) per-tile partials when ``deterministic``, else T = 1 (atomics).
+    ``stage`` is mode 1's F x D ACC buffer, modes 2 and 3's [B * K, D] rows v_j E_j, or empty (mode
+    0; see :func:`hierarchical_plan`)."""
+    B, K = indices.shape
+    F, D = weight.shape
+    check_index_range("indices", indices, F)
+    acc = acc_dtype(weight, vals, bias, target)
+    mode, _, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
+    shape, st_dtype = hierarchical_stage_shape(B, K, F, D, weight.dtype, acc, mode)
+    stage = (torch.zeros if mode == 1 else torch.empty)(shape, device=vals.device, dtype=st_dtype)
+    etot = torch.empty(B, D, device=vals.device, dtype=acc)
+    gv = (torch.empty if deterministic else torch.zeros)(n_tiles if deterministic else 1, B, K,
+                                                        device=vals.device, dtype=acc)
+    if B == 0 or D == 0:
+        for t in (stage, etot, gv):
+            t.zero_()
+        return vals.new_zeros((), dtype=acc), etot, gv, stage
+    cfg = _hier_config(D, weight.element_size(), backward=True)
+    grid = _hier_grid(B, D, cfg)
+    row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
+    _launch(_hierarchical_sae_bwd_kernel, grid,
+        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, None, stage, gv,
+        row_loss, B, K, D, F, *_weight_strides(weight), 1.0, 0, D,
+        HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=_tl_dtype(acc), **cfg,
+    )
+    return row_loss.sum() / (B * K * D), etot, gv, stage
+
+
+def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
+    """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC) from the fused
+    forward's unscaled results, scaled by g * c (g = grad_loss, a device scalar: no host sync).
+    Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged)."""
+    B, D = etot.shape
+    K = gv.shape[-1]
+    c = 2.0 / max(B * K * D, 1)
+    g = grad_loss.to(etot.dtype)
+    gc = g * c
+    grad_bias = etot.sum(0).mul_(gc)
+    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(gc).to(vals_dtype)
+    if mode == 0:
+        grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
+    elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
+        grad_weight = torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
+        n, block = stage.numel(), 1024 if INTERPRET else 4096
+        if n:
+            _launch(_scale_cast_kernel, (triton.cdiv(n, block),), stage, grad_weight, g, c, n,
+                    ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
+    else:
+        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=g, const_scale=c,
+                                  row_per_entry=True)
+    return grad_vals, grad_weight, grad_bias
 
 
 def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC), all scaled by grad_loss.
 
-    The weight gradient is
-
-    * scattered with fp32 atomics into a zeroed F x D ACC buffer (the output itself for fp32
-      weights, converted to fp16 / bf16 after);
-    * ``deterministic``, fp32 / fp64 / fp16 weights: staged as B*K ACC rows and reduced in a fixed
-      order;
-    * bf16 weights when ``deterministic``, or when B*K bf16 rows fit in that fp32 buffer's bytes
-      (B*K <= 2F): staged as B*K rows v_j E_j in bf16, in column chunks within the buffer's bytes,
-      each chunk reduced by the segmented sum in fp32 straight into the output. At F = 65536,
-      D = 2304, K = 32 on an H200 this is 0.09 ms faster than zeroing and converting the buffer
-      (0.13 + 0.2 ms); with two chunks or more (K >= 64) it is 0.13-0.7 ms slower, so atomics stay.
-
-    gv goes through atomics, or per-D-tile partials summed in a fixed order when ``deterministic``.
+    The weight gradient takes the path :func:`hierarchical_plan` picks. gv goes through atomics, or
+    per-D-tile partials summed in a fixed order when ``deterministic``.
     """
     B, K = indices.shape
     F, D = weight.shape
@@ -651,14 +778,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     g = grad_loss.to(acc)
     grad_bias = etot.sum(0).mul_(g * c)
     cfg = _hier_config(D, weight.element_size(), backward=True)
-    n_tiles = triton.cdiv(D, cfg["BLOCK_D"])
-    # bf16 rows are staged when deterministic, or when all B*K of them fit in the bytes of the F x D
-    # fp32 buffer atomics would need (B*K <= 2F): one chunk, less traffic than zeroing that buffer
-    # and converting it. fp16 is never staged in its own dtype: unscaled rows v_j E_j can exceed
-    # its range (65504), and scaled ones underflow; it takes the fp32 paths.
-    stage16 = weight.dtype in _STAGE_DTYPES and (deterministic or B * K * weight.element_size() <= 4 * F)
-    mode = 0 if not need_weight_grad else 3 if stage16 else 2 if deterministic else 1
-    chunk = _stage_tiles(F, D, B * K, weight.element_size(), cfg["BLOCK_D"]) if mode == 3 else n_tiles
+    mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
     buf = grad_weight = None
     if mode == 1:
         buf = torch.zeros(F, D, device=vals.device, dtype=acc)
@@ -677,9 +797,10 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     else:
         gv = (torch.empty(n_tiles, B, K, device=vals.device, dtype=acc) if deterministic
               else torch.zeros(B, K, device=vals.device, dtype=acc))
-        args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, gv,
+        args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, gv, None,
                 B, K, D, F, *_weight_strides(weight), c)
-        meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, ACC=_tl_dtype(acc), **cfg)
+        meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
+                    ACC=_tl_dtype(acc), **cfg)
         for t0 in range(0, n_tiles, chunk):
             tiles = min(chunk, n_tiles - t0)
             d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._registry import register_op
+from .._registry import INTERPRET, register_op
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from . import kernels, reference
 
@@ -326,6 +326,79 @@ def _hier_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tenso
     return kernels.hierarchical_loss_fwd(indices, weight, vals, bias, target)
 
 
+# When the loss is computed for a backward that its forward can run ahead of (16-bit weights,
+# deterministic mode, a frozen decoder: see kernels.hierarchical_fusable), one launch sweeps the
+# latents twice and leaves the gradients unscaled for the backward to finish.
+
+
+def _hier_grads_fake(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+    acc = reference.acc_dtype(weight, vals, bias, target)
+    (B, K), (F, D) = indices.shape, weight.shape
+    mode, _, n_tiles = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
+    shape, stage_dtype = kernels.hierarchical_stage_shape(B, K, F, D, weight.dtype, acc, mode)
+    return (vals.new_empty((), dtype=acc), vals.new_empty(B, D, dtype=acc),
+            vals.new_empty(n_tiles if deterministic else 1, B, K, dtype=acc), vals.new_empty(shape, dtype=stage_dtype))
+
+
+def _hier_finish_fake(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
+    B, D = etot.shape
+    grad_weight = etot.new_empty((num_features, D) if mode else (0,), dtype=weight_dtype)
+    return etot.new_empty(B, gv.shape[-1], dtype=vals_dtype), grad_weight, etot.new_empty(D)
+
+
+@register_op("hierarchical_sae_loss_finish", fake=_hier_finish_fake)
+def _hier_finish_op(
+    grad_loss: Tensor, indices: Tensor, etot: Tensor, gv: Tensor, stage: Tensor, num_features: int,
+    weight_dtype: torch.dtype, vals_dtype: torch.dtype, mode: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels.hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype,
+                                             vals_dtype, mode)
+
+
+def _hier_grads_setup(ctx, inputs, output):
+    indices, weight, vals, bias, target, need_weight_grad, deterministic = inputs
+    _, etot, gv, stage = output
+    ctx.mark_non_differentiable(etot, gv, stage)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(indices, etot, gv, stage)  # not weight: its values are not needed again
+    B, K = indices.shape
+    F, D = weight.shape
+    ctx.mode = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)[0]
+    ctx.dtypes = (F, weight.dtype, vals.dtype, None if bias is None else bias.dtype)
+
+
+def _hier_grads_backward(ctx, grad_loss, _grad_etot, _grad_gv, _grad_stage):
+    if grad_loss is None:
+        return (None,) * 7
+    indices, etot, gv, stage = ctx.saved_tensors
+    _, need_weight, need_vals, need_bias, _, _, _ = ctx.needs_input_grad
+    F, weight_dtype, vals_dtype, bias_dtype = ctx.dtypes
+    gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
+                                    ctx.mode if need_weight else 0)
+    return (None, gw if need_weight else None, gvals if need_vals else None,
+            gb.to(bias_dtype) if need_bias else None, None, None, None)
+
+
+@register_op("hierarchical_sae_loss_grads", fake=_hier_grads_fake, backward=_hier_grads_backward,
+             setup_context=_hier_grads_setup)
+def _hier_grads_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
+                   need_weight_grad: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, etot, gv, stage): the loss with its gradients, unscaled (kernels.hierarchical_loss_fwd_grads)."""
+    return kernels.hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight_grad, deterministic)
+
+
+def _fuse_hierarchical(indices, weight, vals, bias, target, deterministic) -> bool:
+    """Whether this call takes the fused forward: a gradient will be wanted, the kernels run (CUDA, or
+    the Triton interpreter), and the backward has a pass that can apply g * c."""
+    if not (torch.is_grad_enabled() and (weight.requires_grad or vals.requires_grad)):
+        return False
+    if not (weight.is_cuda or INTERPRET):
+        return False
+    (B, K), (F, D) = indices.shape, weight.shape
+    return kernels.hierarchical_fusable(B, K, F, D, weight.dtype, reference.acc_dtype(weight, vals, bias, target),
+                                        weight.requires_grad, deterministic)
+
+
 def hierarchical_sae_loss(
     indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
     *, deterministic: Optional[bool] = None,
@@ -346,9 +419,20 @@ def hierarchical_sae_loss(
     weights the rows are kept in bf16, a column chunk at a time, within the bytes of an F x D fp32
     buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D fp32 buffer and
     converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
+
+    When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
+    has a pass that can apply the incoming gradient (16-bit weights, deterministic mode in one
+    chunk, or a frozen decoder), the forward runs the backward's sweep as well, in the same launch,
+    and hands the backward unscaled gradients: the decoder rows are read once per step instead of
+    twice. The weight-gradient buffer (or staged rows) is then held from the forward to the
+    backward. fp32 weights on the default atomic path keep the two-pass split. Compute a loss you
+    will not differentiate under ``torch.no_grad()``, or it pays for the backward's sweep.
     """
     _check_inputs(indices, weight, vals, bias, target)
-    return _hier_op(indices, weight, vals, bias, target, _use_deterministic(deterministic))[0]
+    deterministic = _use_deterministic(deterministic)
+    if _fuse_hierarchical(indices, weight, vals, bias, target, deterministic):
+        return _hier_grads_op(indices, weight, vals, bias, target, weight.requires_grad, deterministic)[0]
+    return _hier_op(indices, weight, vals, bias, target, deterministic)[0]
 
 
 # --- unit-norm decoder rows (in place; the training loop calls them around the optimiser step) ---
