@@ -45,3 +45,17 @@ def nan_filled_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))
+
+
+def end_spawned_worker() -> None:
+    """Leave a spawned process-group worker once its results are saved and its group destroyed,
+    skipping interpreter finalisation: gloo's background threads can abort the process (SIGABRT,
+    "terminate called without an active exception") while it is torn down, which fails
+    ``mp.spawn`` after the work itself succeeded (seen once locally, on a loaded 2-core machine; the
+    cause is discussed in pytorch/pytorch#179291)."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

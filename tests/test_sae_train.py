@@ -15,6 +15,8 @@ from sparsefuse.sae.data import load_activations, synthetic_activations
 from sparsefuse.sae.modules import TopKSAE
 from sparsefuse.sae.train import TrainConfig, feature_recovery, train_sae
 
+from helpers import end_spawned_worker
+
 TINY = ["--steps", "12", "--n-samples", "256", "--eval-rows", "64", "--batch-size", "32", "--latents", "16",
         "--k", "4", "--d-model", "8", "--features", "12", "--mean-active", "3", "--quiet"]
 
@@ -125,6 +127,7 @@ def _ddp_worker(rank, world, port, path):
             torch.save({loss: r.model.state_dict() for loss, r in runs.items()}, path)
     finally:
         dist.destroy_process_group()
+    end_spawned_worker()
 
 
 def _spawn(world, path, monkeypatch):

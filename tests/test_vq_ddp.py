@@ -50,6 +50,9 @@ def _worker(rank, port, backend, out_dir, semantics):
     torch.save([t.cpu() for t in state], os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    from helpers import end_spawned_worker
+
+    end_spawned_worker()
 
 
 def _check(tmp_path, backend, semantics):

@@ -181,11 +181,16 @@ class TopKSAE(nn.Module):
         if variance is None:
             xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
             variance = (xf - xf.mean(0)).square().mean().clamp_min(1e-30)
-        loss_fn = hier_loss if self.hierarchical else topk_loss
-        recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x) / variance
-        auxk_loss = recon_loss.new_zeros(())
+        auxk_loss = None
         if self.training and self.config["auxk_alpha"] > 0:
             auxk_loss = self._auxk_loss(x, pre, indices, vals, topk_loss)
+        # the [B, F] pre-activations are done with (the sparse encoder keeps no reference), so they
+        # are freed before the decoder loss, whose forward may allocate the weight-gradient buffer
+        del pre
+        loss_fn = hier_loss if self.hierarchical else topk_loss
+        recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x) / variance
+        if auxk_loss is None:
+            auxk_loss = recon_loss.new_zeros(())
         loss = recon_loss + self.config["auxk_alpha"] * auxk_loss
         return SAEOutput(loss, recon_loss, auxk_loss, indices, vals)
 
