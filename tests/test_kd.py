@@ -309,6 +309,26 @@ def test_opcheck():
                                           False, False, False, 4), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_opcheck_column_major_inputs():
+    """The kernels return contiguous gradients whatever the inputs' layout; the fakes must say so
+    (a fake that copied a column-major input's strides would mislead torch.compile)."""
+    d = make(5, 3, 37, dtype=torch.float32)
+    m = d["m"]
+    ops = torch.ops.sparsefuse
+    cm = lambda x: x.t().contiguous().t()  # noqa: E731
+    zk = cm(d["z"][:, :3])
+    _, tok, scale = ops.kd_topk(zk, d["t"], m, 1.5, 1, None, 1.0)
+    torch.library.opcheck(ops.kd_topk_bwd, (torch.ones((), device=DEVICE), tok, zk, d["t"], m, scale, 1.5))
+    z = cm(d["z"])
+    args = (z, d["ids"], d["t"], m, 2, 1.5, 2, torch.tensor(3.0, device=DEVICE), 1.0)
+    _, _, scale, lse, A, corr = ops.kd_logits(*args)
+    torch.library.opcheck(ops.kd_logits_bwd, (torch.ones((), device=DEVICE), None, z, d["ids"], m, lse, A, corr, scale,
+                                              2, 1.5))
+    h, w = cm(d["h"]), cm(d["w"])
+    torch.library.opcheck(ops.kd_hidden, (h, w, None, d["ids"], d["t"], m, d["labels"], 1, 1.0, 1, None, 1.0, 0.5,
+                                          True, True, False, 4), test_utils=("test_schema", "test_faketensor"))
+
+
 def test_index_out_of_range_is_a_clear_error():
     d = make(5, 3, 37, dtype=torch.float32)
     ids = d["ids"].clone()

@@ -459,6 +459,8 @@ def test_quantize_gradcheck_opcheck_compile():
     # the loss is differentiable; out is a straight-through estimator (identity Jacobian by definition)
     assert torch.autograd.gradcheck(lambda t: quantize(t, codes, c, 0.7)[1], (xg,))
     torch.library.opcheck(torch.ops.sparsefuse.vq_quantize.default, (xg, codes, c, 0.7))
+    # a column-major x: the kernels' outputs and gradients are contiguous, and so are the fakes'
+    torch.library.opcheck(torch.ops.sparsefuse.vq_quantize.default, (x.t().contiguous().t().requires_grad_(), codes, c, 0.7))
     xf = x.float().requires_grad_()
     got = torch.compile(lambda t: quantize(t, codes, c.float(), 0.7), fullgraph=True)(xf)
     want = quantize(xf, codes, c.float(), 0.7)

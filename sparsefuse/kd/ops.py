@@ -93,7 +93,7 @@ def _topk_fake(z, t, mask, temperature, reduction, num_items, num_items_value):
 
 
 def _topk_bwd_fake(grad_loss, grad_tok, z, t, mask, scale, temperature):
-    return torch.empty_like(z)
+    return z.new_empty(z.shape)  # contiguous like the kernel's (torch.empty_like would keep z's strides)
 
 
 @register_op("kd_topk_bwd", fake=_topk_bwd_fake, reference=reference.kd_topk_bwd)
@@ -172,7 +172,7 @@ def _logits_fake(z, ids, t, mask, normalize, temperature, reduction, num_items, 
 
 
 def _logits_bwd_fake(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature):
-    return torch.empty_like(z)
+    return z.new_empty(z.shape)  # contiguous like the kernel's
 
 
 @register_op("kd_logits_bwd", fake=_logits_bwd_fake, reference=reference.kd_logits_bwd)
@@ -249,9 +249,10 @@ def _hidden_fake(hidden, weight, bias, ids, t, mask, labels, normalize, temperat
                  num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size):
     acc = reference.acc_dtype(hidden, weight, t)
     N = ids.shape[0]
-    gh = torch.empty_like(hidden) if need_gh else hidden.new_empty(0)
-    gw = torch.empty_like(weight) if need_gw else weight.new_empty(0)
-    gb = torch.empty_like(bias) if need_gb else hidden.new_empty(0)
+    # contiguous like the kernels' gradients, whatever the inputs' strides
+    gh = hidden.new_empty(hidden.shape) if need_gh else hidden.new_empty(0)
+    gw = weight.new_empty(weight.shape) if need_gw else weight.new_empty(0)
+    gb = bias.new_empty(bias.shape) if need_gb else hidden.new_empty(0)
     return hidden.new_empty((), dtype=acc), hidden.new_empty(N, dtype=acc), gh, gw, gb, hidden.new_empty(1, dtype=acc)
 
 

@@ -310,11 +310,11 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
 
 def _quantize_fake(x, codes, codebook, beta):
     acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
-    return torch.empty_like(x), x.new_empty((), dtype=acc)
+    return x.new_empty(x.shape), x.new_empty((), dtype=acc)  # contiguous like the kernel's
 
 
 def _quantize_bwd_fake(grad_out, grad_loss, x, q, beta):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @register_op("vq_quantize_bwd", fake=_quantize_bwd_fake, reference=reference.quantize_bwd)
