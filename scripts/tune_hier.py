@@ -9,11 +9,16 @@ from sparsefuse.sae import kernels as kn
 from sparsefuse.bench.sae import make_inputs
 
 B, F, D = 4096, 65536, 2304
-CONFIGS = [  # (BLOCK_B, BLOCK_D, num_warps, STAGES)
+CONFIGS = [  # (BLOCK_B, BLOCK_D, num_warps, STAGES); one-warp programs cap an SM at 32 resident warps
     (1, 32, 1, 1), (1, 64, 1, 1), (1, 128, 1, 1), (1, 64, 1, 3), (1, 128, 2, 1),
     (2, 64, 1, 1), (4, 32, 1, 1), (4, 64, 2, 1), (4, 64, 2, 3), (8, 32, 2, 1), (8, 64, 4, 1), (16, 32, 4, 1),
-    (16, 32, 8, 3),
+    (16, 32, 8, 3), (2, 64, 2, 1), (4, 64, 4, 1), (2, 32, 2, 1), (4, 32, 4, 1), (2, 128, 2, 1),
 ]
+if os.environ.get("TUNE_CONFIGS"):  # e.g. "1,64,1,1;2,64,2,1"
+    CONFIGS = [tuple(int(x) for x in c.split(",")) for c in os.environ["TUNE_CONFIGS"].split(";")]
+SWEEP = ((torch.float32, (32, 64, 128)), (torch.bfloat16, (32, 128)))
+if os.environ.get("TUNE_FP32_ONLY"):
+    SWEEP = SWEEP[:1]
 out = {}
 
 
@@ -22,7 +27,7 @@ def t(fn):
     return do_bench(fn, warmup=10, rep=40)
 
 
-for dtype, Ks in ((torch.float32, (32, 64, 128)), (torch.bfloat16, (32, 128))):
+for dtype, Ks in SWEEP:
     for K in Ks:
         idx, w, v, b, tg = make_inputs(B, K, F, D, dtype, "cuda")
         tag = f"{str(dtype)[6:]}-K{K}"
@@ -36,8 +41,8 @@ for dtype, Ks in ((torch.float32, (32, 64, 128)), (torch.bfloat16, (32, 128))):
                 out[f"fwd {tag} {BB},{BD},{nw},{st}"] = t(lambda: kn._hierarchical_sae_fwd_kernel[grid](
                     idx, v, w, b, tg, etot, rl, B, K, D, F, D, 1, HAS_BIAS=True, ACC=tl.float32, **cfg))
                 out[f"bwd {tag} {BB},{BD},{nw},{st}"] = t(lambda: kn._hierarchical_sae_bwd_kernel[grid](
-                    idx, v, w, b, tg, etot, g1, gw, gv, B, K, D, F, D, 1, 1e-9, 0, D, HAS_BIAS=True, WEIGHT_GRAD=1,
-                    STAGED_GV=False, ACC=tl.float32, **cfg))
+                    idx, v, w, b, tg, etot, g1, gw, gv, None, B, K, D, F, D, 1, 1e-9, 0, D, HAS_BIAS=True,
+                    WEIGHT_GRAD=1, STAGED_GV=False, FUSED=False, ACC=tl.float32, **cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
                 print(tag, cfg, "failed:", str(e)[:200])
         print(tag, "done", flush=True)
