@@ -328,7 +328,9 @@ def _hier_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tenso
 
 # When the loss is computed for a backward that its forward can run ahead of (16-bit weights,
 # deterministic mode, a frozen decoder: see kernels.hierarchical_fusable), one launch sweeps the
-# latents twice and leaves the gradients unscaled for the backward to finish.
+# latents twice and leaves the gradients unscaled for the backward to finish. These two ops have no
+# CPU reference: hierarchical_sae_loss only takes them where the kernels run (CUDA, or CPU under
+# the Triton interpreter); elsewhere it uses the two ops above, whose reference is exact.
 
 
 def _hier_grads_fake(indices, weight, vals, bias, target, need_weight_grad, deterministic):
