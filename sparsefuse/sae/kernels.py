@@ -703,6 +703,14 @@ def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, determ
     return chunk >= n_tiles and not (mode == 1 and weight_dtype == acc)
 
 
+def hierarchical_gv_tiles(D, weight_dtype, deterministic) -> int:
+    """Leading size of the fused forward's gv: one slot per D tile when ``deterministic`` (partials
+    summed in a fixed order), else one slot taking atomics; at least one, so D = 0 gives zeros."""
+    if not deterministic:
+        return 1
+    return max(1, triton.cdiv(D, _hier_config(D, weight_dtype.itemsize, backward=True)["BLOCK_D"]))
+
+
 def hierarchical_stage_shape(B, K, F, D, weight_dtype, acc, mode):
     """(shape, dtype) of the unscaled weight-gradient data the fused forward hands the backward."""
     return {0: ((0,), acc), 1: ((F, D), acc), 2: ((B * K, D), acc), 3: ((B * K, D), weight_dtype)}[mode]
@@ -712,7 +720,8 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss and its unscaled gradients in
     one launch (``FUSED`` sweep); :func:`hierarchical_grads_finish` applies the incoming gradient.
 
-    gv holds T = cdiv(D, BLOCK_D) per-tile partials when ``deterministic``, else T = 1 (atomics).
+    gv holds T per-tile partials when ``deterministic``, else T = 1 (atomics); see
+    :func:`hierarchical_gv_tiles`.
     ``stage`` is mode 1's F x D ACC buffer, modes 2 and 3's [B * K, D] rows v_j E_j, or empty (mode
     0; see :func:`hierarchical_plan`)."""
     B, K = indices.shape
@@ -723,7 +732,7 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     shape, st_dtype = hierarchical_stage_shape(B, K, F, D, weight.dtype, acc, mode)
     stage = (torch.zeros if mode == 1 else torch.empty)(shape, device=vals.device, dtype=st_dtype)
     etot = torch.empty(B, D, device=vals.device, dtype=acc)
-    gv = (torch.empty if deterministic else torch.zeros)(n_tiles if deterministic else 1, B, K,
+    gv = (torch.empty if deterministic else torch.zeros)(hierarchical_gv_tiles(D, weight.dtype, deterministic), B, K,
                                                         device=vals.device, dtype=acc)
     if B == 0 or D == 0:
         for t in (stage, etot, gv):
@@ -750,7 +759,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
     g = grad_loss.to(etot.dtype)
     gc = g * c
     grad_bias = etot.sum(0).mul_(gc)
-    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(gc).to(vals_dtype)
+    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(gc).to(vals_dtype)  # gv has >= 1 slot
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)

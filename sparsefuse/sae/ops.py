@@ -336,10 +336,11 @@ def _hier_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tenso
 def _hier_grads_fake(indices, weight, vals, bias, target, need_weight_grad, deterministic):
     acc = reference.acc_dtype(weight, vals, bias, target)
     (B, K), (F, D) = indices.shape, weight.shape
-    mode, _, n_tiles = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
+    mode = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)[0]
     shape, stage_dtype = kernels.hierarchical_stage_shape(B, K, F, D, weight.dtype, acc, mode)
-    return (vals.new_empty((), dtype=acc), vals.new_empty(B, D, dtype=acc),
-            vals.new_empty(n_tiles if deterministic else 1, B, K, dtype=acc), vals.new_empty(shape, dtype=stage_dtype))
+    gv_tiles = kernels.hierarchical_gv_tiles(D, weight.dtype, deterministic)
+    return (vals.new_empty((), dtype=acc), vals.new_empty(B, D, dtype=acc), vals.new_empty(gv_tiles, B, K, dtype=acc),
+            vals.new_empty(shape, dtype=stage_dtype))
 
 
 def _hier_finish_fake(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
@@ -413,8 +414,8 @@ def hierarchical_sae_loss(
     so that prefix k is the k-sparse reconstruction. Same arguments, dtypes and B = 0 rule as
     :func:`topk_sae_loss`.
 
-    The forward reads the active decoder rows once and saves only E_0 = sum_k e_k ([B, D] fp32);
-    the backward reads them once more. The weight gradient is scattered with fp32 atomics (the
+    By default (fp32 weights) the forward reads the active decoder rows once and saves only
+    E_0 = sum_k e_k ([B, D] fp32); the backward reads them once more. The weight gradient is scattered with fp32 atomics (the
     summation order, and so the last bits, vary run to run) unless ``deterministic=True`` or
     ``torch.use_deterministic_algorithms(True)`` (read when the loss is computed), which stages the
     B*K gradient rows and reduces them in a fixed order instead (B*K*D extra floats; for bf16
@@ -423,12 +424,14 @@ def hierarchical_sae_loss(
     converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
 
     When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
-    has a pass that can apply the incoming gradient (16-bit weights, deterministic mode in one
-    chunk, or a frozen decoder), the forward runs the backward's sweep as well, in the same launch,
-    and hands the backward unscaled gradients: the decoder rows are read once per step instead of
-    twice. The weight-gradient buffer (or staged rows) is then held from the forward to the
-    backward. fp32 weights on the default atomic path keep the two-pass split. Compute a loss you
-    will not differentiate under ``torch.no_grad()``, or it pays for the backward's sweep.
+    has a pass that can apply the incoming gradient (16-bit weights, deterministic mode when the
+    staged rows fit in one column chunk, or a frozen decoder), the forward runs the backward's
+    sweep as well, in the same launch, and hands the backward unscaled gradients: the decoder rows
+    come from DRAM once per step instead of twice (the second sweep finds them in L1 / L2). The
+    weight-gradient buffer (or the staged rows: B*K*D floats in deterministic fp32) is then held
+    from the forward to the backward, so several such losses summed before one backward hold one
+    each. fp32 weights on the default atomic path keep the two-pass split. Compute a loss you will
+    not differentiate under ``torch.no_grad()``, or it pays for the backward's sweep.
     """
     _check_inputs(indices, weight, vals, bias, target)
     deterministic = _use_deterministic(deterministic)
