@@ -237,7 +237,7 @@ def _hierarchical_sae_bwd_kernel(
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D]
     etot_ptr,  # [B, D] ACC: E_0 from the forward
-    g_ptr,  # [] incoming gradient of the loss
+    g_ptr,  # [] g * c: the incoming gradient of the loss times c, in ACC (not FUSED)
     gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows;
     #          3: [B * K, DC] staged rows of this launch's column chunk, unscaled, in the weight's dtype
     gv_ptr,  # STAGED_GV: [cdiv(D, BLOCK_D), B, K] ACC per-tile partials; else [B, K] ACC zeroed, atomic
@@ -248,7 +248,7 @@ def _hierarchical_sae_bwd_kernel(
     F,
     stride_wf,
     stride_wd,
-    scale,  # c = 2 / (B * K * D)
+    scale,  # a further factor on g_ptr (1.0: c is folded into it on the host, in ACC precision)
     T0,  # first D tile of this launch (grid axis 1 counts from it)
     DC,  # WEIGHT_GRAD 3: columns per staged row (the chunk's width)
     HAS_BIAS: tl.constexpr,
@@ -333,7 +333,6 @@ def _sae_weight_grad_kernel(
     K,
     D,
     stride_gw,
-    const_scale,
     WEIGHTED: tl.constexpr,
     ROW_PER_ENTRY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -364,7 +363,6 @@ def _sae_weight_grad_kernel(
             if HAS_WSUM:
                 b_wsum += b_v
         b_acc += b_x
-    b_acc *= const_scale
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
     tl.store(gw_ptr + i_f * stride_gw + o_d, b_acc.to(gw_ptr.dtype.element_ty), mask=m_d)
@@ -480,9 +478,9 @@ def feature_segments(indices, num_features):
     return torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype)), order
 
 
-def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None, const_scale=1.0,
+def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None,
                 row_per_entry=False, wsum=None, out=None, segments=None):
-    """Segmented sum: out[f] = const_scale * scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
+    """Segmented sum: out[f] = scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
 
     ``row(e) = e // K`` (rows is [B, D]) or ``e`` (``row_per_entry``, rows is [B * K, D]).
     ``entry_weights`` is ``vals`` ([B, K]) or None for weight 1. ``scale`` is an optional device scalar.
@@ -502,7 +500,7 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
     grid = (num_features, max(triton.cdiv(D, _SEG_BLOCK_D), 1))
     _launch(_sae_weight_grad_kernel, grid,
         seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
-        wsum, K, D, out.stride(0), const_scale,
+        wsum, K, D, out.stride(0),
         WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
         HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc_dtype(rows, entry_weights)), BLOCK_D=_SEG_BLOCK_D,
         num_warps=_SEG_WARPS,
@@ -628,7 +626,7 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
     gc = g * c
     grad_vals = (gv * gc).to(vals.dtype)
     grad_bias = resid.sum(0).mul_(gc)
-    grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=g, const_scale=c)
+    grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
                    if need_weight_grad else weight.new_empty(0))
     return grad_vals, grad_weight, grad_bias
 
@@ -766,11 +764,10 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
         grad_weight = torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
         n, block = stage.numel(), 1024 if INTERPRET else 4096
         if n:
-            _launch(_scale_cast_kernel, (triton.cdiv(n, block),), stage, grad_weight, g, c, n,
+            _launch(_scale_cast_kernel, (triton.cdiv(n, block),), stage, grad_weight, gc, 1.0, n,
                     ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
     else:
-        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=g, const_scale=c,
-                                  row_per_entry=True)
+        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
     return grad_vals, grad_weight, grad_bias
 
 
@@ -785,7 +782,8 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     acc = etot.dtype
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(acc)
-    grad_bias = etot.sum(0).mul_(g * c)
+    gc = g * c  # a device scalar in ACC: a Python float reaches a kernel as fp32, too coarse for fp64
+    grad_bias = etot.sum(0).mul_(gc)
     cfg = _hier_config(D, weight.element_size(), backward=True)
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
     buf = grad_weight = None
@@ -806,8 +804,8 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     else:
         gv = (torch.empty(n_tiles, B, K, device=vals.device, dtype=acc) if deterministic
               else torch.zeros(B, K, device=vals.device, dtype=acc))
-        args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, g, buf, gv, None,
-                B, K, D, F, *_weight_strides(weight), c)
+        args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, gc, buf, gv, None,
+                B, K, D, F, *_weight_strides(weight), 1.0)
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
                     ACC=_tl_dtype(acc), **cfg)
         for t0 in range(0, n_tiles, chunk):
@@ -817,7 +815,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
                     d1 - d0 if mode == 3 else D, **meta)
             if mode == 3:  # the chunk's rows are packed [B * K, d1 - d0] at the start of buf
                 rows = buf.view(-1)[: B * K * (d1 - d0)].view(B * K, d1 - d0)
-                weight_grad(indices, rows, None, F, weight.dtype, scale=g, const_scale=c, row_per_entry=True,
+                weight_grad(indices, rows, None, F, weight.dtype, scale=gc, row_per_entry=True,
                             out=grad_weight[:, d0:d1], segments=segments)
         grad_vals = (gv.sum(0) if deterministic else gv).to(vals.dtype)
     if mode == 2:
