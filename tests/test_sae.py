@@ -137,6 +137,29 @@ def test_hierarchical_fp16_large_errors_stay_finite(B, K, F, D, deterministic):
     check_against_fp64("hierarchical", idx, weight, vals, bias, target, torch.float16, fn=loss)
 
 
+@pytest.mark.parametrize("op,deterministic", [("decode", False), ("topk", False), ("hierarchical", False),
+                                               ("hierarchical", True)])
+def test_float64_kernels_get_no_fp32_rounded_scalars(op, deterministic, monkeypatch):
+    """Triton passes a Python float argument as fp32 on CUDA (the interpreter keeps fp64, so the
+    fp64 comparisons above cannot see it): a scale like 2 / (B*D) must reach float64 kernels as a
+    device tensor. Every float argument of every launch here must be exact in fp32."""
+    from sparsefuse.sae import kernels
+
+    floats = []
+    real = kernels._launch
+
+    def spy(fn, grid, *args, **meta):
+        floats.extend((fn.__name__, a) for a in args if isinstance(a, float))
+        return real(fn, grid, *args, **meta)
+
+    monkeypatch.setattr(kernels, "_launch", spy)
+    fn = OPS[op][0] if op != "hierarchical" else (
+        lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=deterministic))
+    check_against_fp64(op, *make(7, 3, 5, 37, torch.float64), torch.float64, fn=fn)
+    inexact = [(name, a) for name, a in floats if float(torch.tensor(a, dtype=torch.float32)) != a]
+    assert not inexact, inexact
+
+
 HIER_FUSED_CASES = [  # (weight dtype, deterministic, what requires grad, fused forward expected)
     pytest.param(torch.float16, False, ("weight", "vals", "bias"), True, id="fp16-buffer-converted"),
     pytest.param(torch.float32, True, ("weight", "vals", "bias"), True, id="fp32-deterministic-staged"),
