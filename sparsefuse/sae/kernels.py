@@ -184,6 +184,25 @@ def _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, s
 
 
 @triton.jit
+def _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d, m_bd, B,
+                             K, D, F, stride_wf, stride_wd, ACC: tl.constexpr, STAGES: tl.constexpr):
+    """One sweep over the latents in order from the offset ``b_off`` (bias - target): the prefix
+    errors e_k, their squares summed into this tile's loss partials and their sum E_0 stored; returns E_0."""
+    b_e = b_off
+    b_tot = tl.zeros(b_off.shape, dtype=ACC)
+    b_loss = tl.zeros(b_off.shape, dtype=ACC)
+    for i_k in tl.range(0, K, num_stages=STAGES):
+        _, _, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
+                                         stride_wd, ACC)
+        b_e += v[:, None] * b_w
+        b_loss += b_e * b_e
+        b_tot += b_e
+    tl.store(etot_ptr + o_b[:, None] * D + o_d[None, :], b_tot, mask=m_bd)
+    tl.store(loss_ptr + i_t * B + o_b, tl.sum(tl.where(m_bd, b_loss, 0.0), axis=1), mask=m_b)
+    return b_tot
+
+
+@triton.jit
 def _hierarchical_sae_fwd_kernel(
     idx_ptr,  # [B, K] int32 | int64
     vals_ptr,  # [B, K]
@@ -216,17 +235,9 @@ def _hierarchical_sae_fwd_kernel(
     o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
     m_b, m_d = o_b < B, o_d < D
     m_bd = m_b[:, None] & m_d[None, :]
-    b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
-    b_tot = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
-    b_loss = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
-    for i_k in tl.range(0, K, num_stages=STAGES):
-        _, _, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
-                                         stride_wd, ACC)
-        b_e += v[:, None] * b_w
-        b_loss += b_e * b_e
-        b_tot += b_e
-    tl.store(etot_ptr + o_b[:, None] * D + o_d[None, :], b_tot, mask=m_bd)
-    tl.store(loss_ptr + i_t * B + o_b, tl.sum(tl.where(m_bd, b_loss, 0.0), axis=1), mask=m_b)
+    b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
+    _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d, m_bd, B, K,
+                             D, F, stride_wf, stride_wd, ACC, STAGES)
 
 
 @triton.jit
@@ -280,17 +291,8 @@ def _hierarchical_sae_bwd_kernel(
     m_bd = m_b[:, None] & m_d[None, :]
     if FUSED:
         b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
-        b_e = b_off
-        b_s = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
-        b_loss = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
-        for i_k in tl.range(0, K, num_stages=STAGES):
-            _, _, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
-                                             stride_wd, ACC)
-            b_e += v[:, None] * b_w
-            b_loss += b_e * b_e
-            b_s += b_e
-        tl.store(etot_ptr + o_b[:, None] * D + o_d[None, :], b_s, mask=m_bd)
-        tl.store(loss_ptr + i_t * B + o_b, tl.sum(tl.where(m_bd, b_loss, 0.0), axis=1), mask=m_b)
+        b_s = _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d,
+                                       m_bd, B, K, D, F, stride_wf, stride_wd, ACC, STAGES)  # E_0
         gc = tl.full([], 1.0, ACC)
         gs = gc
         b_e = b_off  # e_{j-1}, from j = 0
