@@ -47,7 +47,8 @@ def _decode_fake(indices, vals, weight, bias):
 
 
 def _decode_bwd_fake(grad, indices, vals, weight, need_weight_grad):
-    grad_weight = weight.new_empty(weight.shape) if need_weight_grad else weight.new_empty(0)  # contiguous, as the kernels return it
+    # contiguous, as the kernels return it
+    grad_weight = weight.new_empty(weight.shape) if need_weight_grad else weight.new_empty(0)
     return vals.new_empty(vals.shape), grad_weight, grad.new_empty(weight.shape[1], dtype=reference.acc_dtype(vals, weight, grad))
 
 
@@ -206,7 +207,8 @@ def _topk_fake(indices, weight, vals, bias, target):
 
 
 def _topk_bwd_fake(grad_loss, indices, vals, weight, resid, gv, need_weight_grad):
-    grad_weight = weight.new_empty(weight.shape) if need_weight_grad else weight.new_empty(0)  # contiguous, as the kernels return it
+    # contiguous, as the kernels return it
+    grad_weight = weight.new_empty(weight.shape) if need_weight_grad else weight.new_empty(0)
     return vals.new_empty(vals.shape), grad_weight, resid.new_empty(resid.shape[1])
 
 
@@ -280,7 +282,8 @@ def _hier_fake(indices, weight, vals, bias, target, deterministic):
 
 
 def _hier_bwd_fake(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
-    grad_weight = weight.new_empty(weight.shape) if need_weight_grad else weight.new_empty(0)  # contiguous, as the kernels return it
+    # contiguous, as the kernels return it
+    grad_weight = weight.new_empty(weight.shape) if need_weight_grad else weight.new_empty(0)
     return vals.new_empty(vals.shape), grad_weight, etot.new_empty(etot.shape[1])
 
 
@@ -415,12 +418,12 @@ def hierarchical_sae_loss(
     :func:`topk_sae_loss`.
 
     By default (fp32 weights) the forward reads the active decoder rows once and saves only
-    E_0 = sum_k e_k ([B, D] fp32); the backward reads them once more. The weight gradient is scattered with fp32 atomics (the
-    summation order, and so the last bits, vary run to run) unless ``deterministic=True`` or
-    ``torch.use_deterministic_algorithms(True)`` (read when the loss is computed), which stages the
-    B*K gradient rows and reduces them in a fixed order instead (B*K*D extra floats; for bf16
-    weights the rows are kept in bf16, a column chunk at a time, within the bytes of an F x D fp32
-    buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D fp32 buffer and
+    E_0 = sum_k e_k ([B, D] fp32); the backward reads them once more. The weight gradient is
+    scattered with fp32 atomics (the summation order, and so the last bits, vary run to run) unless
+    ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` (read when the loss is
+    computed), which stages the B*K gradient rows and reduces them in a fixed order instead (B*K*D
+    extra floats; for bf16 weights the rows are kept in bf16, a column chunk at a time, within the
+    bytes of an F x D fp32 buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D fp32 buffer and
     converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
 
     When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
