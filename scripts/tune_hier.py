@@ -1,58 +1,52 @@
-"""Sweep of the hierarchical sweeps' launch configuration on (row block, D tile) grids. GPU only.
+"""Sweep of the hierarchical backward sweep's (BLOCK_D, CHUNK) on full forward + backward steps of
+``hierarchical_sae_loss`` (every path the op takes: fp32 atomics, bf16 fused, fp32 deterministic).
+GPU only. Three round-robin rounds, median kept; writes every timing to $OUT/tune_hier.json.
 
-Prints the best configuration per (dtype, K) for the forward and the atomic backward, and writes
-every timing to $OUT/tune_hier.json."""
-import json, os
-import torch, triton, triton.language as tl
+The forward's own configuration (kernels._HIER_FWD) was swept in session 7
+(benchmarks/logs/tune_hier_fp32_session7.json) and is left as it is."""
+import json
+import os
+import statistics
+
+import torch
 from triton.testing import do_bench
-from sparsefuse.sae import kernels as kn
+
+import sparsefuse
 from sparsefuse.bench.sae import make_inputs
+from sparsefuse.sae import kernels as kn
 
 B, F, D = 4096, 65536, 2304
-CONFIGS = [  # (BLOCK_B, BLOCK_D, num_warps, STAGES); one-warp programs cap an SM at 32 resident warps
-    (1, 32, 1, 1), (1, 64, 1, 1), (1, 128, 1, 1), (1, 64, 1, 3), (1, 128, 2, 1),
-    (2, 64, 1, 1), (4, 32, 1, 1), (4, 64, 2, 1), (4, 64, 2, 3), (8, 32, 2, 1), (8, 64, 4, 1), (16, 32, 4, 1),
-    (16, 32, 8, 3), (2, 64, 2, 1), (4, 64, 4, 1), (2, 32, 2, 1), (4, 32, 4, 1), (2, 128, 2, 1),
-]
-if os.environ.get("TUNE_CONFIGS"):  # e.g. "1,64,1,1;2,64,2,1"
+CONFIGS = [(64, 1), (64, 4), (64, 8), (64, 16), (32, 8), (32, 16)]  # (BLOCK_D, CHUNK)
+if os.environ.get("TUNE_CONFIGS"):  # e.g. "64,8;32,8"
     CONFIGS = [tuple(int(x) for x in c.split(",")) for c in os.environ["TUNE_CONFIGS"].split(";")]
-SWEEP = ((torch.float32, (32, 64, 128)), (torch.bfloat16, (32, 128)))
-if os.environ.get("TUNE_FP32_ONLY"):
-    SWEEP = SWEEP[:1]
-out = {}
+CASES = [(torch.float32, K, False) for K in (32, 64, 128)] + [(torch.bfloat16, K, False) for K in (32, 64, 128)]
+CASES += [(torch.float32, 64, True)]
+default = {k: dict(v) for k, v in kn._HIER_BWD.items()}
 
 
-def t(fn):
-    fn(); torch.cuda.synchronize()
-    return do_bench(fn, warmup=10, rep=40)
+def step(dtype, K, deterministic):
+    idx, w, v, b, tg = make_inputs(B, K, F, D, dtype, "cuda")
+    params = [w.requires_grad_(), v.requires_grad_(), b.requires_grad_()]
+    return lambda: torch.autograd.grad(
+        sparsefuse.hierarchical_sae_loss(idx, w, v, b, tg, deterministic=deterministic), params)
 
 
-for dtype, Ks in SWEEP:
-    for K in Ks:
-        idx, w, v, b, tg = make_inputs(B, K, F, D, dtype, "cuda")
-        tag = f"{str(dtype)[6:]}-K{K}"
-        etot = torch.empty(B, D, device="cuda"); g1 = torch.ones((), device="cuda")
-        gw = torch.zeros(F, D, device="cuda"); gv = torch.zeros(B, K, device="cuda")
-        for BB, BD, nw, st in CONFIGS:
-            cfg = dict(BLOCK_B=BB, BLOCK_D=BD, num_warps=nw, STAGES=st)
-            grid = kn._hier_grid(B, D, cfg)
-            rl = torch.empty(grid[1], B, device="cuda")
-            try:
-                out[f"fwd {tag} {BB},{BD},{nw},{st}"] = t(lambda: kn._hierarchical_sae_fwd_kernel[grid](
-                    idx, v, w, b, tg, etot, rl, B, K, D, F, D, 1, HAS_BIAS=True, ACC=tl.float32, **cfg))
-                out[f"bwd {tag} {BB},{BD},{nw},{st}"] = t(lambda: kn._hierarchical_sae_bwd_kernel[grid](
-                    idx, v, w, b, tg, etot, g1, gw, gv, None, B, K, D, F, D, 1, 1e-9, 0, D, HAS_BIAS=True,
-                    WEIGHT_GRAD=1, STAGED_GV=False, FUSED=False, ACC=tl.float32, **cfg))
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                print(tag, cfg, "failed:", str(e)[:200])
-        print(tag, "done", flush=True)
-        del gw
+times = {}
+for dtype, K, det in CASES:
+    fn = step(dtype, K, det)
+    tag = f"{str(dtype)[6:]} K={K}{' det' if det else ''}"
+    for _ in range(3):
+        for bd, ch in CONFIGS:
+            kn._HIER_BWD[dtype.itemsize] = dict(BLOCK_D=bd, CHUNK=ch)
+            fn()
+            torch.cuda.synchronize()
+            times.setdefault(f"{tag} BD={bd} CH={ch}", []).append(do_bench(fn, warmup=25, rep=100))
+    kn._HIER_BWD.update({k: dict(v) for k, v in default.items()})
+    torch.cuda.empty_cache()
+    row = {c: statistics.median(times[f"{tag} BD={c[0]} CH={c[1]}"]) for c in CONFIGS}
+    best = min(row, key=row.get)
+    print(f"{tag:18} " + "  ".join(f"{c[0]},{c[1]}:{ms:.3f}" for c, ms in row.items()) + f"   best {best}", flush=True)
 
-json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "tune_hier.json"), "w"), indent=1)
-groups = {}
-for k, ms in out.items():
-    g = " ".join(k.split()[:2])
-    groups.setdefault(g, []).append((ms, k.split()[2]))
-for g, items in groups.items():
-    items.sort()
-    print(f"{g:14} " + "  ".join(f"{c}:{ms:.3f}" for ms, c in items[:5]) + f"   | worst {items[-1][1]}:{items[-1][0]:.3f}")
+json.dump(dict(device=torch.cuda.get_device_name(), default=default,
+               ms={k: dict(median=statistics.median(t), rounds=t) for k, t in times.items()}),
+          open(os.path.join(os.environ.get("OUT", "."), "tune_hier.json"), "w"), indent=1)

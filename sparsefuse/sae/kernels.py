@@ -49,16 +49,21 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
 
 
-# Hierarchical sweeps (H200, scripts/tune_hier.py): one warp per program; the forward covers two
-# fp32 rows or one 16-bit row of 128 columns, the backward one row of 64 columns (wider tiles or more
-# rows per program made its scatter slower). Software pipelining (STAGES > 1) never helped.
+# Hierarchical sweeps (H200; scripts/tune_hier.py, scripts/probe_hier_chunk.py): one warp per
+# program. The forward covers two fp32 rows or one 16-bit row of 128 columns, one latent a step.
+# The backward covers one row of 64 columns; with fp32 weights it takes 8 latents a step (their rows
+# gathered together: full steps 5-8% faster than one at a time), with 16-bit weights one (a 16-bit
+# [8, 64] tile splits the chunk over four lanes, and chunks were up to 16% slower). Wider tiles, more
+# rows or more warps per program were slower.
 _HIER_FWD = {4: dict(BLOCK_B=2, BLOCK_D=64), 2: dict(BLOCK_B=1, BLOCK_D=128)}
-_HIER_BWD = dict(BLOCK_B=1, BLOCK_D=64)
+_HIER_BWD = {4: dict(BLOCK_D=64, CHUNK=8), 2: dict(BLOCK_D=64, CHUNK=1)}
 
 
 def _hier_config(D: int, itemsize: int, backward: bool) -> dict:
-    """Launch configuration of the hierarchical sweeps; BLOCK_D shrinks to cover a narrow D."""
-    cfg = dict(_HIER_BWD if backward else _HIER_FWD.get(itemsize, _HIER_FWD[4]), num_warps=1, STAGES=1)
+    """Launch configuration of the hierarchical sweeps for a weight of ``itemsize`` bytes (float64
+    takes float32's); BLOCK_D shrinks to cover a narrow D."""
+    table = _HIER_BWD if backward else _HIER_FWD
+    cfg = dict(table.get(itemsize, table[4]), num_warps=1)
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, triton.next_power_of_2(max(D, 1))))
     return cfg
 
@@ -172,7 +177,7 @@ def _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS: tl
 @triton.jit
 def _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf, stride_wd,
                       ACC: tl.constexpr):
-    """Latent k of rows o_b: (feature ids, validity, values, decoder tile [BLOCK_B, BLOCK_D]).
+    """Latent k of rows o_b: (values [BLOCK_B], decoder tile [BLOCK_B, BLOCK_D]).
     An out-of-range id is never dereferenced; its value becomes NaN."""
     i_f = tl.load(idx_ptr + o_b * K + i_k, mask=m_b, other=0).to(tl.int64)  # [BLOCK_B]
     ok = (i_f >= 0) & (i_f < F)
@@ -180,19 +185,32 @@ def _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, s
     m_w = (m_b & ok)[:, None] & m_d[None, :]
     b_w = tl.load(w_ptr + i_f[:, None] * stride_wf + o_d[None, :].to(tl.int64) * stride_wd, mask=m_w,
                   other=0).to(ACC)
+    return v, b_w
+
+
+@triton.jit
+def _load_latent_chunk(idx_ptr, vals_ptr, w_ptr, i_b, o_k, m_k, o_d, m_d, K, F, stride_wf, stride_wd,
+                       ACC: tl.constexpr):
+    """Latents o_k of row i_b: (feature ids, valid ids, values [CHUNK], decoder tile [CHUNK, BLOCK_D]).
+    An out-of-range id is never dereferenced; its value becomes NaN. Latents past K get value 0."""
+    i_f = tl.load(idx_ptr + i_b * K + o_k, mask=m_k, other=0).to(tl.int64)  # [CHUNK]
+    ok = (i_f >= 0) & (i_f < F)
+    v = tl.where(ok, tl.load(vals_ptr + i_b * K + o_k, mask=m_k, other=0).to(ACC), float("nan"))
+    b_w = tl.load(w_ptr + i_f[:, None] * stride_wf + o_d[None, :].to(tl.int64) * stride_wd,
+                  mask=(m_k & ok)[:, None] & m_d[None, :], other=0).to(ACC)
     return i_f, ok, v, b_w
 
 
 @triton.jit
 def _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d, m_bd, B,
-                             K, D, F, stride_wf, stride_wd, ACC: tl.constexpr, STAGES: tl.constexpr):
+                             K, D, F, stride_wf, stride_wd, ACC: tl.constexpr):
     """One sweep over the latents in order from the offset ``b_off`` (bias - target): the prefix
     errors e_k, their squares summed into this tile's loss partials and their sum E_0 stored; returns E_0."""
     b_e = b_off
     b_tot = tl.zeros(b_off.shape, dtype=ACC)
     b_loss = tl.zeros(b_off.shape, dtype=ACC)
-    for i_k in tl.range(0, K, num_stages=STAGES):
-        _, _, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
+    for i_k in range(0, K):
+        v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
                                          stride_wd, ACC)
         b_e += v[:, None] * b_w
         b_loss += b_e * b_e
@@ -221,7 +239,6 @@ def _hierarchical_sae_fwd_kernel(
     ACC: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """One program per (BLOCK_B rows, D tile); one sweep over the latents in order builds the prefix
     errors e_k = bias + sum_{j<=k} v_j w_j - target, their squares and their sum E_0.
@@ -237,7 +254,7 @@ def _hierarchical_sae_fwd_kernel(
     m_bd = m_b[:, None] & m_d[None, :]
     b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
     _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d, m_bd, B, K,
-                             D, F, stride_wf, stride_wd, ACC, STAGES)
+                             D, F, stride_wf, stride_wd, ACC)
 
 
 @triton.jit
@@ -247,7 +264,7 @@ def _hierarchical_sae_bwd_kernel(
     w_ptr,  # [F, D], strides (stride_wf, stride_wd)
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D]
-    etot_ptr,  # [B, D] ACC: E_0 from the forward
+    etot_ptr,  # [B, D] ACC: E_0 from the forward (FUSED: out)
     g_ptr,  # [] g * c: the incoming gradient of the loss times c, in ACC (not FUSED)
     gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows;
     #          3: [B * K, DC] staged rows of this launch's column chunk, unscaled, in the weight's dtype
@@ -267,60 +284,70 @@ def _hierarchical_sae_bwd_kernel(
     STAGED_GV: tl.constexpr,
     FUSED: tl.constexpr,  # run the forward sweep first (etot_ptr, loss_ptr out) and leave g * c out
     ACC: tl.constexpr,
-    BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    STAGES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """The gradient of the loss with respect to v_j w_j is g * c * E_j, E_j = sum_{k>=j} e_k. Starting
-    from the saved E_0, one forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
+    from the saved E_0, a forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
 
-    Same grid as the forward: the programs resident together share one D tile, so both the decoder
-    reads and the atomics into the F x BLOCK_D slice of the gradient stay in L2. WEIGHT_GRAD 3 keeps
-    the sweep unscaled (s = 1 below) and stores v_j E_j rows, which a 16-bit dtype holds without
-    underflow; g c is applied by the segmented sum that reduces them.
+    One program per (row, D tile), on the forward's grid: the programs resident together share one D
+    tile, so both the decoder reads and the atomics into the F x BLOCK_D slice of the gradient stay in
+    L2. Each step takes CHUNK latents: their decoder rows are gathered together (CHUNK loads in flight
+    rather than one), and the recurrence inside the chunk is two in-thread prefix sums,
+    e_j = e_{j0-1} + cumsum(v w)_j and E_j = E_{j0} - (cumsum(e)_j - e_j).
+
+    WEIGHT_GRAD 3 keeps the sweep unscaled (s = 1 below) and stores v_j E_j rows, which a 16-bit dtype
+    holds without underflow; g c is applied by the segmented sum that reduces them.
 
     FUSED: the loss's forward and backward in one launch, for when the gradient is wanted. The
     program first sweeps the latents as ``_hierarchical_sae_fwd_kernel`` does (loss partials and E_0
     out), then runs the sweep below over the same rows, which its first sweep left in L1 / L2. The
     incoming gradient is not known yet, so everything stays unscaled (g = 1, c = 1): gv and the
     weight-gradient rows get g * c from the pass that finishes them (``hierarchical_grads_finish``)."""
+    i_b = tl.program_id(0).to(tl.int64)
     i_t = T0 + tl.program_id(1)
-    o_b = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    o_b = i_b + tl.arange(0, 1)  # the row as a 1-vector, for the helpers shared with the forward
     o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
     m_b, m_d = o_b < B, o_d < D
     m_bd = m_b[:, None] & m_d[None, :]
+    b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)  # [1, BLOCK_D]
     if FUSED:
-        b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
         b_s = _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d,
-                                       m_bd, B, K, D, F, stride_wf, stride_wd, ACC, STAGES)  # E_0
+                                       m_bd, B, K, D, F, stride_wf, stride_wd, ACC)  # E_0
         gc = tl.full([], 1.0, ACC)
         gs = gc
-        b_e = b_off  # e_{j-1}, from j = 0
     else:
         gc = tl.load(g_ptr).to(ACC) * scale
         gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
-        b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs  # s E_j, from j = 0
-        b_e = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC) * gs  # s e_{j-1}
-    for i_k in tl.range(0, K, num_stages=STAGES):
-        i_f, ok, v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
-                                            stride_wd, ACC)
-        b_dot = tl.where(ok, tl.sum(b_s * b_w, axis=1), float("nan"))  # [BLOCK_B]
+        b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs
+    b_s = tl.sum(b_s, axis=0)  # [BLOCK_D] s E_j, from j = 0
+    b_e = tl.sum(b_off, axis=0) * gs  # [BLOCK_D] s e_{j-1}, from j = 0
+    for i_k in range(0, K, CHUNK):
+        o_k = i_k + tl.arange(0, CHUNK)
+        m_k = o_k < K
+        i_f, ok, v, b_w = _load_latent_chunk(idx_ptr, vals_ptr, w_ptr, i_b, o_k, m_k, o_d, m_d, K, F, stride_wf,
+                                             stride_wd, ACC)
+        b_u = (v * gs)[:, None] * b_w  # [CHUNK, BLOCK_D]
+        b_ec = tl.where(m_k[:, None], b_e[None, :] + tl.cumsum(b_u, axis=0), 0.0)  # s e_j
+        b_sc = b_s[None, :] - (tl.cumsum(b_ec, axis=0) - b_ec)  # s E_j
+        b_dot = tl.where(ok, tl.sum(b_sc * b_w, axis=1), float("nan"))  # [CHUNK]
         if WEIGHT_GRAD == 3:
             b_dot *= gc
         if STAGED_GV:
-            tl.store(gv_ptr + (i_t * B + o_b) * K + i_k, b_dot, mask=m_b)
+            tl.store(gv_ptr + (i_t * B + i_b) * K + o_k, b_dot, mask=m_k)
         else:
-            tl.atomic_add(gv_ptr + o_b * K + i_k, b_dot, mask=m_b, sem="relaxed")
+            tl.atomic_add(gv_ptr + i_b * K + o_k, b_dot, mask=m_k, sem="relaxed")
+        b_g = v[:, None] * b_sc  # [CHUNK, BLOCK_D]
+        m_kd = m_k[:, None] & m_d[None, :]
         if WEIGHT_GRAD == 1:
-            tl.atomic_add(gw_ptr + i_f[:, None] * D + o_d[None, :], v[:, None] * b_s,
-                          mask=m_bd & ok[:, None], sem="relaxed")
+            tl.atomic_add(gw_ptr + i_f[:, None] * D + o_d[None, :], b_g, mask=m_kd & ok[:, None], sem="relaxed")
         elif WEIGHT_GRAD == 2:
-            tl.store(gw_ptr + (o_b[:, None] * K + i_k) * D + o_d[None, :], v[:, None] * b_s, mask=m_bd)
+            tl.store(gw_ptr + (i_b * K + o_k)[:, None] * D + o_d[None, :], b_g, mask=m_kd)
         elif WEIGHT_GRAD == 3:
-            p_st = gw_ptr + (o_b[:, None] * K + i_k) * DC + (o_d - T0 * BLOCK_D)[None, :]
-            tl.store(p_st, (v[:, None] * b_s).to(gw_ptr.dtype.element_ty), mask=m_bd)
-        b_e += (v * gs)[:, None] * b_w
-        b_s -= b_e
+            p_st = gw_ptr + (i_b * K + o_k)[:, None] * DC + (o_d - T0 * BLOCK_D)[None, :]
+            tl.store(p_st, b_g.to(gw_ptr.dtype.element_ty), mask=m_kd)
+        b_e += tl.sum(b_u, axis=0)
+        b_s -= tl.sum(b_ec, axis=0)
 
 
 @triton.jit
@@ -635,7 +662,7 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
 
 def _hier_grid(B: int, D: int, cfg: dict) -> tuple:
     """Row blocks on the fast grid axis, D tiles on the slow one (see _hierarchical_sae_fwd_kernel)."""
-    return triton.cdiv(B, cfg["BLOCK_B"]), triton.cdiv(D, cfg["BLOCK_D"])
+    return triton.cdiv(B, cfg.get("BLOCK_B", 1)), triton.cdiv(D, cfg["BLOCK_D"])
 
 
 def hierarchical_loss_fwd(indices, weight, vals, bias, target):
@@ -813,7 +840,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         for t0 in range(0, n_tiles, chunk):
             tiles = min(chunk, n_tiles - t0)
             d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)
-            _launch(_hierarchical_sae_bwd_kernel, (triton.cdiv(B, cfg["BLOCK_B"]), tiles), *args, t0,
+            _launch(_hierarchical_sae_bwd_kernel, (B, tiles), *args, t0,
                     d1 - d0 if mode == 3 else D, **meta)
             if mode == 3:  # the chunk's rows are packed [B * K, d1 - d0] at the start of buf
                 rows = buf.view(-1)[: B * K * (d1 - d0)].view(B * K, d1 - d0)
