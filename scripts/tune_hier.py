@@ -1,5 +1,5 @@
-"""Sweep of the hierarchical backward sweep's (BLOCK_D, CHUNK) on full forward + backward steps of
-``hierarchical_sae_loss`` (every path the op takes: fp32 atomics, bf16 fused, fp32 deterministic).
+"""Sweep of the hierarchical backward sweep's (BLOCK_D, CHUNK, VEC) on full forward + backward steps of
+``hierarchical_sae_loss`` (fp32: atomics; bf16: the fused forward).
 GPU only. Three round-robin rounds, median kept; writes every timing to $OUT/tune_hier.json.
 
 The forward's own configuration (kernels._HIER_FWD) was swept in session 7
@@ -16,11 +16,10 @@ from sparsefuse.bench.sae import make_inputs
 from sparsefuse.sae import kernels as kn
 
 B, F, D = 4096, 65536, 2304
-CONFIGS = [(64, 1), (64, 4), (64, 8), (64, 16), (32, 8), (32, 16)]  # (BLOCK_D, CHUNK)
-if os.environ.get("TUNE_CONFIGS"):  # e.g. "64,8;32,8"
+CONFIGS = [(64, 1, 4), (64, 8, 4), (64, 4, 2), (64, 8, 2), (64, 16, 2), (32, 8, 1)]  # (BLOCK_D, CHUNK, VEC)
+if os.environ.get("TUNE_CONFIGS"):  # e.g. "64,8,2;32,8,1"
     CONFIGS = [tuple(int(x) for x in c.split(",")) for c in os.environ["TUNE_CONFIGS"].split(";")]
 CASES = [(torch.float32, K, False) for K in (32, 64, 128)] + [(torch.bfloat16, K, False) for K in (32, 64, 128)]
-CASES += [(torch.float32, 64, True)]
 default = {k: dict(v) for k, v in kn._HIER_BWD.items()}
 
 
@@ -36,16 +35,16 @@ for dtype, K, det in CASES:
     fn = step(dtype, K, det)
     tag = f"{str(dtype)[6:]} K={K}{' det' if det else ''}"
     for _ in range(3):
-        for bd, ch in CONFIGS:
-            kn._HIER_BWD[dtype.itemsize] = dict(BLOCK_D=bd, CHUNK=ch)
+        for bd, ch, vec in CONFIGS:
+            kn._HIER_BWD[dtype.itemsize] = dict(BLOCK_D=bd, CHUNK=ch, VEC=vec)
             fn()
             torch.cuda.synchronize()
-            times.setdefault(f"{tag} BD={bd} CH={ch}", []).append(do_bench(fn, warmup=25, rep=100))
+            times.setdefault(f"{tag} BD={bd} CH={ch} VEC={vec}", []).append(do_bench(fn, warmup=25, rep=100))
     kn._HIER_BWD.update({k: dict(v) for k, v in default.items()})
     torch.cuda.empty_cache()
-    row = {c: statistics.median(times[f"{tag} BD={c[0]} CH={c[1]}"]) for c in CONFIGS}
+    row = {c: statistics.median(times[f"{tag} BD={c[0]} CH={c[1]} VEC={c[2]}"]) for c in CONFIGS}
     best = min(row, key=row.get)
-    print(f"{tag:18} " + "  ".join(f"{c[0]},{c[1]}:{ms:.3f}" for c, ms in row.items()) + f"   best {best}", flush=True)
+    print(f"{tag:18} " + "  ".join(f"{c[0]},{c[1]},{c[2]}:{ms:.3f}" for c, ms in row.items()) + f"   best {best}", flush=True)
 
 json.dump(dict(device=torch.cuda.get_device_name(), default=default,
                ms={k: dict(median=statistics.median(t), rounds=t) for k, t in times.items()}),

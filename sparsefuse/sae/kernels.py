@@ -56,7 +56,7 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
 # [8, 64] tile splits the chunk over four lanes, and chunks were up to 16% slower). Wider tiles, more
 # rows or more warps per program were slower.
 _HIER_FWD = {4: dict(BLOCK_B=2, BLOCK_D=64), 2: dict(BLOCK_B=1, BLOCK_D=128)}
-_HIER_BWD = {4: dict(BLOCK_D=64, CHUNK=8), 2: dict(BLOCK_D=64, CHUNK=1)}
+_HIER_BWD = {4: dict(BLOCK_D=64, CHUNK=8, VEC=4), 2: dict(BLOCK_D=64, CHUNK=8, VEC=2)}
 
 
 def _hier_config(D: int, itemsize: int, backward: bool) -> dict:
@@ -286,6 +286,7 @@ def _hierarchical_sae_bwd_kernel(
     ACC: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     """The gradient of the loss with respect to v_j w_j is g * c * E_j, E_j = sum_{k>=j} e_k. Starting
     from the saved E_0, a forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
@@ -307,7 +308,7 @@ def _hierarchical_sae_bwd_kernel(
     i_b = tl.program_id(0).to(tl.int64)
     i_t = T0 + tl.program_id(1)
     o_b = i_b + tl.arange(0, 1)  # the row as a 1-vector, for the helpers shared with the forward
-    o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
+    o_d = tl.max_contiguous(i_t * BLOCK_D + tl.arange(0, BLOCK_D), VEC)
     m_b, m_d = o_b < B, o_d < D
     m_bd = m_b[:, None] & m_d[None, :]
     b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)  # [1, BLOCK_D]
