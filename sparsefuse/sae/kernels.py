@@ -49,12 +49,12 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
 
 
-# Hierarchical sweeps (H200; scripts/tune_hier.py, scripts/probe_hier_chunk.py): one warp per
-# program. The forward covers two fp32 rows or one 16-bit row of 128 columns, one latent a step.
-# The backward covers one row of 64 columns; with fp32 weights it takes 8 latents a step (their rows
-# gathered together: full steps 5-8% faster than one at a time), with 16-bit weights one (a 16-bit
-# [8, 64] tile splits the chunk over four lanes, and chunks were up to 16% slower). Wider tiles, more
-# rows or more warps per program were slower.
+# Hierarchical sweeps (H200; scripts/tune_hier.py, scripts/probe_hier_chunk.py, numbers in
+# benchmarks/NOTES.md): one warp per program. The forward covers two fp32 rows or one 16-bit row of
+# 128 columns, one latent a step. The backward covers one row of 64 columns, 8 latents a step (their
+# rows gathered together: full steps 5-15% faster than one at a time); VEC caps a thread's column
+# vector so the chunk stays in few lanes (16-bit tiles would otherwise spread it over four). Wider
+# tiles, more rows or more warps per program were slower.
 _HIER_FWD = {4: dict(BLOCK_B=2, BLOCK_D=64), 2: dict(BLOCK_B=1, BLOCK_D=128)}
 _HIER_BWD = {4: dict(BLOCK_D=64, CHUNK=8, VEC=4), 2: dict(BLOCK_D=64, CHUNK=8, VEC=2)}
 
@@ -285,8 +285,8 @@ def _hierarchical_sae_bwd_kernel(
     FUSED: tl.constexpr,  # run the forward sweep first (etot_ptr, loss_ptr out) and leave g * c out
     ACC: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr,
-    VEC: tl.constexpr,
+    CHUNK: tl.constexpr,  # latents per step
+    VEC: tl.constexpr,  # widest column vector a thread takes (fewer lanes across the columns, more per chunk)
 ):
     """The gradient of the loss with respect to v_j w_j is g * c * E_j, E_j = sum_{k>=j} e_k. Starting
     from the saved E_0, a forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
