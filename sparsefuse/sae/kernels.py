@@ -210,8 +210,8 @@ def _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off
     b_tot = tl.zeros(b_off.shape, dtype=ACC)
     b_loss = tl.zeros(b_off.shape, dtype=ACC)
     for i_k in range(0, K):
-        v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf,
-                                         stride_wd, ACC)
+        v, b_w = _load_latent_rows(idx_ptr, vals_ptr, w_ptr, o_b, m_b, i_k, o_d, m_d, K, F, stride_wf, stride_wd,
+                                   ACC)
         b_e += v[:, None] * b_w
         b_loss += b_e * b_e
         b_tot += b_e
@@ -841,7 +841,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         for t0 in range(0, n_tiles, chunk):
             tiles = min(chunk, n_tiles - t0)
             d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)
-            _launch(_hierarchical_sae_bwd_kernel, (B, tiles), *args, t0,
+            _launch(_hierarchical_sae_bwd_kernel, (_hier_grid(B, D, cfg)[0], tiles), *args, t0,
                     d1 - d0 if mode == 3 else D, **meta)
             if mode == 3:  # the chunk's rows are packed [B * K, d1 - d0] at the start of buf
                 rows = buf.view(-1)[: B * K * (d1 - d0)].view(B * K, d1 - d0)
