@@ -1,7 +1,9 @@
 """Probe (GPU, session 8): are the hierarchical sweeps latency-bound, and does the F x D zero-fill's
 HBM traffic matter? Times, in one process:
 
-* the package's forward and atomic backward kernels (the baseline, gradient buffer zeroed by torch);
+* the package's forward and atomic backward kernels (the baseline, gradient buffer zeroed by torch;
+  when benchmarks/logs/probe_hier_chunk.json was recorded the package's backward still took one
+  latent a step: it has since taken the chunked form below, so "base" now times that);
 * chunked sweeps: each loop step gathers CHUNK latents of the row at once ([CHUNK, BLOCK_D] tile,
   CHUNK loads in flight instead of one) and resolves the recurrence inside the chunk with an
   in-thread tl.cumsum;
