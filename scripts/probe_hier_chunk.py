@@ -30,21 +30,6 @@ from sparsefuse.sae import reference as ref
 
 
 @triton.jit
-def _chunk_latents(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_u, o_d, m_d, K, F, stride_wf, stride_wd,
-                   ACC: tl.constexpr):
-    """CHUNK latents i_k.. of row i_b: (ids, in K, valid id, values, rows [CHUNK, BLOCK_D])."""
-    o_k = i_k + o_u
-    m_k = o_k < K
-    i_f = tl.load(idx_ptr + i_b * K + o_k, mask=m_k, other=0).to(tl.int64)  # [CHUNK]
-    ok = (i_f >= 0) & (i_f < F)
-    v = tl.load(vals_ptr + i_b * K + o_k, mask=m_k, other=0).to(ACC)
-    v = tl.where(ok | ~m_k, v, float("nan"))
-    b_w = tl.load(w_ptr + i_f[:, None] * stride_wf + o_d[None, :].to(tl.int64) * stride_wd,
-                  mask=(m_k & ok)[:, None] & m_d[None, :], other=0).to(ACC)  # [CHUNK, BLOCK_D]
-    return o_k, m_k, i_f, ok, v, b_w
-
-
-@triton.jit
 def _fwd_chunk_kernel(idx_ptr, vals_ptr, w_ptr, bias_ptr, tgt_ptr, etot_ptr, loss_ptr, B, K, D, F, stride_wf,
                       stride_wd, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr,
                       CHUNK: tl.constexpr):
@@ -59,8 +44,10 @@ def _fwd_chunk_kernel(idx_ptr, vals_ptr, w_ptr, bias_ptr, tgt_ptr, etot_ptr, los
     b_tot = tl.zeros([BLOCK_D], dtype=ACC)
     b_loss = tl.zeros([BLOCK_D], dtype=ACC)
     for i_k in range(0, K, CHUNK):
-        o_k, m_k, i_f, ok, v, b_w = _chunk_latents(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_u, o_d, m_d, K, F,
-                                                   stride_wf, stride_wd, ACC)
+        o_k = i_k + o_u
+        m_k = o_k < K
+        i_f, ok, v, b_w = kn._load_latent_chunk(idx_ptr, vals_ptr, w_ptr, i_b, o_k, m_k, o_d, m_d, K, F, stride_wf,
+                                                stride_wd, ACC)
         b_u = v[:, None] * b_w
         b_ec = tl.where(m_k[:, None], b_e[None, :] + tl.cumsum(b_u, axis=0), 0.0)  # e_k, k in the chunk
         b_loss += tl.sum(b_ec * b_ec, axis=0)
@@ -105,8 +92,10 @@ def _bwd_chunk_kernel(idx_ptr, vals_ptr, w_ptr, bias_ptr, tgt_ptr, etot_ptr, g_p
         b_e += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
     b_e *= gc  # e_{i_k - 1}
     for i_k in range(0, K, CHUNK):
-        o_k, m_k, i_f, ok, v, b_w = _chunk_latents(idx_ptr, vals_ptr, w_ptr, i_b, i_k, o_u, o_d, m_d, K, F,
-                                                   stride_wf, stride_wd, ACC)
+        o_k = i_k + o_u
+        m_k = o_k < K
+        i_f, ok, v, b_w = kn._load_latent_chunk(idx_ptr, vals_ptr, w_ptr, i_b, o_k, m_k, o_d, m_d, K, F, stride_wf,
+                                                stride_wd, ACC)
         b_u = (v * gc)[:, None] * b_w
         b_ec = tl.where(m_k[:, None], b_e[None, :] + tl.cumsum(b_u, axis=0), 0.0)  # e_j
         b_sc = b_s[None, :] - (tl.cumsum(b_ec, axis=0) - b_ec)  # S_j = S_{i_k} - sum_{i_k <= k < j} e_k
