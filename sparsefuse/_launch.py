@@ -51,11 +51,15 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+# Host-side arithmetic for grids and block sizes. Triton 3.6's ``triton.cdiv`` and
+# ``triton.next_power_of_2`` are constexpr functions whose host calls cost a few microseconds each
+# (argument unwrapping on every call); a hierarchical SAE step made 13 of them.
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._validate import check_index_range, index_checks_enabled
 from .reference import IGNORE_INDEX, acc_dtype
@@ -533,7 +533,7 @@ def _u8(mask):
 
 
 def _topk_config(K):
-    block_k = triton.next_power_of_2(max(K, 1))
+    block_k = next_pow2(max(K, 1))
     return dict(BLOCK_K=block_k, BLOCK_N=max(1, min(64, _TOPK_TILE // block_k)))
 
 
@@ -560,7 +560,7 @@ def topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value):
     flags = torch.empty(N, device=z.device, dtype=acc)
     if N:
         cfg = _topk_config(K)
-        launch(_kd_topk_kernel, (triton.cdiv(N, cfg["BLOCK_N"]),),
+        launch(_kd_topk_kernel, (cdiv(N, cfg["BLOCK_N"]),),
                (z.contiguous(), t.contiguous(), _u8(mask), tok, flags, None, None, None, None, N, K,
                 1.0 / temperature, float(temperature)),
                dict(IS_BWD=False, HAS_GT=False, ACC=_tl_dtype(acc), **cfg), _TOPK_WARPS)
@@ -573,7 +573,7 @@ def topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature):
     g = torch.empty(N, K, device=z.device, dtype=z.dtype)
     if N:
         cfg = _topk_config(K)
-        launch(_kd_topk_kernel, (triton.cdiv(N, cfg["BLOCK_N"]),),
+        launch(_kd_topk_kernel, (cdiv(N, cfg["BLOCK_N"]),),
                (z.contiguous(), t.contiguous(), _u8(mask), None, None, g, grad_loss.contiguous(),
                 None if grad_tok is None else grad_tok.contiguous(), scale, N, K, 1.0 / temperature,
                 float(temperature)),
@@ -597,7 +597,7 @@ def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
         z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, V, K, z.stride(0),
         1.0 / temperature, float(temperature),
         NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
-        ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=triton.next_power_of_2(K), num_warps=_ROW_WARPS,
+        ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K), num_warps=_ROW_WARPS,
     )
 
 
@@ -606,13 +606,13 @@ def _row_bwd(z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok
     K = ids.shape[1]
     if n == 0 or V == 0:
         return
-    split = max(1, min(triton.cdiv(_ROW_MIN_PROGRAMS, n), triton.cdiv(V, _ROW_BLOCK_V)))
-    v_per_prog = triton.cdiv(triton.cdiv(V, split), _ROW_BLOCK_V) * _ROW_BLOCK_V
-    _kd_row_bwd_kernel[(n, triton.cdiv(V, v_per_prog))](
+    split = max(1, min(cdiv(_ROW_MIN_PROGRAMS, n), cdiv(V, _ROW_BLOCK_V)))
+    v_per_prog = cdiv(cdiv(V, split), _ROW_BLOCK_V) * _ROW_BLOCK_V
+    _kd_row_bwd_kernel[(n, cdiv(V, v_per_prog))](
         z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, V, K, z.stride(0), g.stride(0),
         1.0 / temperature, float(temperature), v_per_prog,
         NORMALIZE=normalize, HAS_CE=labels is not None, HAS_GL=grad_loss is not None, HAS_GT=grad_tok is not None,
-        ACC=_tl_dtype(scale.dtype), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=triton.next_power_of_2(K), num_warps=_ROW_WARPS,
+        ACC=_tl_dtype(scale.dtype), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K), num_warps=_ROW_WARPS,
     )
 
 
@@ -648,13 +648,13 @@ def lm_weight_grad(ids, mask, g, hidden, V, out_dtype):
     out = torch.empty(V, H, device=hidden.device, dtype=out_dtype)
     if H == 0:
         return out
-    n_tiles = triton.cdiv(V, _WG_BLOCK_V)
+    n_tiles = cdiv(V, _WG_BLOCK_V)
     past = n_tiles * _WG_BLOCK_V
     keys = torch.where(mask != 0, ids.long(), torch.full_like(ids, past, dtype=torch.long)).reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
     bounds = torch.arange(0, past + 1, _WG_BLOCK_V, device=keys.device, dtype=torch.long)
     seg = torch.searchsorted(sorted_keys, bounds)
-    grid = lambda meta: (n_tiles, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+    grid = lambda meta: (n_tiles, cdiv(H, meta["BLOCK_H"]))  # noqa: E731
     _kd_weight_grad_kernel[grid](
         seg, sorted_keys, order, g, hidden, out, V, H, ids.shape[1],
         SPLIT=hidden.dtype in (torch.float16, torch.bfloat16), ACC=_tl_dtype(acc_dtype(hidden)), BLOCK_V=_WG_BLOCK_V,
@@ -706,7 +706,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
                 hidden, weight, bias, ids, t, m8, tok, flags2, g, gh if need_gh else None, scale, H, V, K,
                 weight.stride(0), 1.0 / temperature, float(temperature),
                 HAS_BIAS=bias is not None, NEED_GRAD=need_grad, NEED_GH=need_gh, ACC=_tl_dtype(acc),
-                BLOCK_K=triton.next_power_of_2(K), BLOCK_H=_HID_BLOCK_H, num_warps=_HID_WARPS,
+                BLOCK_K=next_pow2(K), BLOCK_H=_HID_BLOCK_H, num_warps=_HID_WARPS,
             )
         elif need_gh:
             gh.zero_()
@@ -765,7 +765,7 @@ def rescale_(x: torch.Tensor, g: torch.Tensor, applied: torch.Tensor) -> None:
     """x *= g / applied in place (no traffic when equal)."""
     n = x.numel()
     if n:
-        _kd_rescale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](x, g, applied, n, ACC=_tl_dtype(x.dtype),
+        _kd_rescale_kernel[(cdiv(n, _SCALE_BLOCK),)](x, g, applied, n, ACC=_tl_dtype(x.dtype),
                                                              BLOCK=_SCALE_BLOCK)
 
 

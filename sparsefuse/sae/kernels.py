@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._validate import check_index_range
 from .reference import acc_dtype
@@ -43,9 +43,9 @@ _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 
 def _gather_config(K: int, D: int, itemsize: int) -> dict:
     """BLOCK_K covers all K latents of a row; BLOCK_D fills the rest of the register tile."""
-    block_k = triton.next_power_of_2(K)
+    block_k = next_pow2(K)
     cap = 128 if itemsize <= 2 else 256
-    block_d = max(16, min(triton.next_power_of_2(max(D, 1)), cap, _GATHER_TILE // block_k))
+    block_d = max(16, min(next_pow2(max(D, 1)), cap, _GATHER_TILE // block_k))
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
 
 
@@ -64,7 +64,7 @@ def _hier_config(D: int, itemsize: int, backward: bool) -> dict:
     takes float32's); BLOCK_D shrinks to cover a narrow D."""
     table = _HIER_BWD if backward else _HIER_FWD
     cfg = dict(table.get(itemsize, table[4]), num_warps=1)
-    cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, triton.next_power_of_2(max(D, 1))))
+    cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, next_pow2(max(D, 1))))
     return cfg
 
 
@@ -527,7 +527,7 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
     if num_features == 0 or (D == 0 and wsum is None):
         return out
     seg, order = feature_segments(indices, num_features) if segments is None else segments
-    grid = (num_features, max(triton.cdiv(D, _SEG_BLOCK_D), 1))
+    grid = (num_features, max(cdiv(D, _SEG_BLOCK_D), 1))
     _launch(_sae_weight_grad_kernel, grid,
         seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
         wsum, K, D, out.stride(0),
@@ -611,7 +611,7 @@ def unit_rows_(weight, grad, eps):
     g = weight if grad is None else grad
     _launch(_unit_rows_kernel, (F,), weight, g, D, *_weight_strides(weight), *_weight_strides(g), float(eps),
             PROJECT=grad is not None, ACC=_tl_dtype(acc_dtype(weight, grad)),
-            BLOCK_D=min(triton.next_power_of_2(D), 1024), num_warps=4)
+            BLOCK_D=min(next_pow2(D), 1024), num_warps=4)
 
 
 def decode_bwd(grad, indices, vals, weight, need_weight_grad):
@@ -663,7 +663,7 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
 
 def _hier_grid(B: int, D: int, cfg: dict) -> tuple:
     """Row blocks on the fast grid axis, D tiles on the slow one (see _hierarchical_sae_fwd_kernel)."""
-    return triton.cdiv(B, cfg.get("BLOCK_B", 1)), triton.cdiv(D, cfg["BLOCK_D"])
+    return cdiv(B, cfg.get("BLOCK_B", 1)), cdiv(D, cfg["BLOCK_D"])
 
 
 def hierarchical_loss_fwd(indices, weight, vals, bias, target):
@@ -690,8 +690,8 @@ def _stage_tiles(F: int, D: int, BK: int, itemsize: int, block_d: int) -> int:
     """D tiles per staged chunk: the [B * K, chunk] staging buffer stays within the F x D fp32
     buffer the atomic path would zero (at least one tile; all of them when all the rows fit)."""
     if BK * itemsize * D <= F * D * 4:
-        return triton.cdiv(D, block_d)
-    return max(1, min(triton.cdiv(D, block_d), (F * D * 4) // max(BK * itemsize * block_d, 1)))
+        return cdiv(D, block_d)
+    return max(1, min(cdiv(D, block_d), (F * D * 4) // max(BK * itemsize * block_d, 1)))
 
 
 _STAGE_DTYPES = (torch.bfloat16,)  # see hierarchical_plan
@@ -712,7 +712,7 @@ def hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
     """
     itemsize = weight_dtype.itemsize
     block_d = _hier_config(D, itemsize, backward=True)["BLOCK_D"]
-    n_tiles = triton.cdiv(D, block_d)
+    n_tiles = cdiv(D, block_d)
     stage16 = weight_dtype in _STAGE_DTYPES and (deterministic or B * K * itemsize <= 4 * F)
     mode = 0 if not need_weight_grad else 3 if stage16 else 2 if deterministic else 1
     chunk = _stage_tiles(F, D, B * K, itemsize, block_d) if mode == 3 else n_tiles
@@ -736,7 +736,7 @@ def hierarchical_gv_tiles(D, weight_dtype, deterministic) -> int:
     summed in a fixed order), else one slot taking atomics; at least one, so D = 0 gives zeros."""
     if not deterministic:
         return 1
-    return max(1, triton.cdiv(D, _hier_config(D, weight_dtype.itemsize, backward=True)["BLOCK_D"]))
+    return max(1, cdiv(D, _hier_config(D, weight_dtype.itemsize, backward=True)["BLOCK_D"]))
 
 
 def hierarchical_stage_shape(B, K, F, D, weight_dtype, acc, mode):
@@ -794,7 +794,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
         grad_weight = torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
         n, block = stage.numel(), 1024 if INTERPRET else 4096
         if n:
-            _launch(_scale_cast_kernel, (triton.cdiv(n, block),), stage, grad_weight, gc, 1.0, n,
+            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, gc, 1.0, n,
                     ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
     else:
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)

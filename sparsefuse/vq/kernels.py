@@ -667,7 +667,7 @@ def nearest_code(x, codebook, cosine, precision):
     else:
         prec = None  # 16-bit dots: products are exact in fp32 and sums are fp32
     kernel = _nearest_code_fma if prec == "ieee" else _nearest_code_tc
-    launch_tuned(kernel, lambda meta: (triton.cdiv(B, meta["BLOCK_B"]),),
+    launch_tuned(kernel, lambda meta: (cdiv(B, meta["BLOCK_B"]),),
                  (x, codebook, cc, codes, dist, B, K, D, x.stride(0), codebook.stride(0)),
                  dict(COSINE=bool(cosine), PRECISION=prec, DOT_DTYPE=_DOT_DTYPES[dot_dtype]),
                  (kernel, K, D, bool(cosine), prec, x.dtype, codebook.dtype, x.device))
