@@ -179,6 +179,11 @@ def load(family: str, out_dir: str = RESULTS_DIR) -> list:
         return [Result(**d) for d in json.load(f)]
 
 
+def _shape_order(shape_json: str) -> tuple:
+    """Sort key of a shape: numbers numerically (K=32 before K=128), anything else as text after them."""
+    return tuple((0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)) for v in json.loads(shape_json).values())
+
+
 def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch", "torch.compile"),
                   mode: str = "full", shape_keys: Optional[list] = None) -> str:
     """Markdown: one row per (op, dtype, shape); ms for each provider and our speed-up over each baseline."""
@@ -192,7 +197,7 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
     head = ["op", "dtype", "shape", f"{ours} ms"] + [f"{b} ms" for b in baselines]
     head += [f"vs {b}" for b in baselines] + [f"{ours} peak MiB", f"{ours} GB/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (op, dtype, shape_json), by in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (op, dtype, shape_json), by in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], _shape_order(kv[0][2]))):
         shape = json.loads(shape_json)
         us = by.get(ours)
         if us is None:
