@@ -372,7 +372,11 @@ def test_gradcheck_fp64(op):
     idx, weight, vals, bias, target = make(3, 3, 4, 5, torch.float64)
     params = [t.clone().requires_grad_() for t in (weight, vals, bias)]
     fn = lambda w, v, b: (_hier_deterministic if op == "hierarchical-fused" else OPS[op][0])(idx, w, v, b, target)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7)
+    # On a GPU the default hierarchical backward scatters with atomics (F = 4 here, so rows collide):
+    # its last bits may differ between two backward calls, as documented, and gradcheck's
+    # reentrancy check gets that much slack. Everywhere else the results must repeat exactly.
+    nondet_tol = 1e-12 if op == "hierarchical" and DEVICE == "cuda" else 0.0
+    assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7, nondet_tol=nondet_tol)
 
 
 def _hier_deterministic(*args):
