@@ -6,7 +6,9 @@ accumulation dtype (float32, or float64 for float64 inputs).
 Data flow of the two losses (see ``ops.py`` for how autograd strings them together):
 
 * TopK: one gather pass (``_sae_decode_fwd_kernel`` with ``IS_LOSS``) reads each active decoder row
-  once and produces the loss, the residual r = recon - target [B, D] and gv[b, k] = <r_b, w_idx>.
+  once and produces the loss, the residual r = recon - target [B, D] and gv[b, k] = <r_b, w_idx>
+  (for fp32 weights on a (row, column group) grid whose programs in flight share one slice of the
+  decoder in L2, gv summed over the column groups after; see ``_decode_config``).
   The backward never touches the decoder again: the weight gradient is a segmented sum of residual
   rows (``_sae_weight_grad_kernel``) over entries sorted by feature. The residual is B*D floats, so
   those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
@@ -47,6 +49,35 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
     cap = 128 if itemsize <= 2 else 256
     block_d = max(16, min(next_pow2(max(D, 1)), cap, _GATHER_TILE // block_k))
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
+
+
+def _decode_config(K: int, D: int, itemsize: int, loss: bool) -> dict:
+    """The gather of ``_sae_decode_fwd_kernel``: BLOCK_K covers all K latents, and each program takes
+    GROUP tiles of BLOCK_D columns.
+
+    4- and 8-byte rows: 128-byte tiles (32 fp32 columns) on a (row, column group) grid, so the
+    gathers hit L2; the loss groups GROUP * BLOCK_D >= K columns per program, which keeps its
+    per-group gv parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within B * (D + K) at any K.
+    16-bit rows: one program per row sweeping all of D (P = 1), as every dtype did before. Full TopK
+    steps on one H200 run (F = 65536, D = 2304, B = 4096, ms at K = 32 / 64 / 128,
+    ``scripts/tune_sae.py``, ``benchmarks/logs/tune_sae_session10_run2.json``): fp32 0.727 / 0.874 /
+    1.516 grouped against 0.681 / 0.936 / 1.608 a row a program (K = 32 is host-bound); bf16 0.796 /
+    0.830 / 1.456 grouped against 0.608 / 0.810 / 1.374. 16-bit rows are half the DRAM bytes, and
+    there the grouped grid's extra index loads and partial sums cost more than L2 saves."""
+    if itemsize <= 2:
+        cfg = _gather_config(K, D, itemsize)
+        return dict(cfg, GROUP=cdiv(D, cfg["BLOCK_D"]))
+    block_k = next_pow2(K)
+    block_d = max(16, min(next_pow2(max(D, 1)), 128 // itemsize, _GATHER_TILE // block_k))
+    group = cdiv(block_k, block_d) if loss else 1
+    return dict(BLOCK_K=block_k, BLOCK_D=block_d, GROUP=group, num_warps=max(1, min(8, block_k * block_d // 4096)))
+
+
+def _decode_launch(D: int, cfg: dict) -> tuple:
+    """(column groups P, columns per program, launch meta) of a ``_decode_config``."""
+    meta = dict(cfg)
+    cols = meta.pop("GROUP") * meta["BLOCK_D"]
+    return cdiv(D, cols), cols, meta
 
 
 # Hierarchical sweeps (H200; scripts/tune_hier.py, scripts/probe_hier_chunk.py, numbers in
@@ -92,26 +123,36 @@ def _sae_decode_fwd_kernel(
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D] (IS_LOSS)
     out_ptr,  # [B, D]: recon in the output dtype, or the ACC residual recon - target (IS_LOSS)
-    gv_ptr,  # [B, K] ACC: <resid_b, w_idx[b, k]> (IS_LOSS)
-    loss_ptr,  # [B] ACC: sum_d resid[b, d]^2 (IS_LOSS)
+    gv_ptr,  # [P, B, K] ACC: column group p's part of <resid_b, w_idx[b, k]> (IS_LOSS)
+    loss_ptr,  # [P, B] ACC: column group p's part of sum_d resid[b, d]^2 (IS_LOSS)
+    B,
     K,
     D,
     F,
     stride_wf,
     stride_wd,
+    cols,  # columns per program (a multiple of BLOCK_D): program (b, g) covers columns g * cols ..
     HAS_BIAS: tl.constexpr,
     IS_LOSS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """One program per (row, group of ``cols`` columns), the row on the fast grid axis: with
+    several groups the programs in flight gather from one F x cols slice of the
+    decoder, which L2 holds, so each decoder element comes from DRAM about once however many rows
+    use it; with one group each program sweeps its row's whole D. Each tile holds
+    the columns of all K latents [BLOCK_K, BLOCK_D]: the residual tile and its dot products with the
+    same rows come out of one load. See ``_decode_config``."""
     i_b = tl.program_id(0).to(tl.int64)
+    i_g = tl.program_id(1)
     o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
     p_rows = w_ptr + b_idx * stride_wf  # [BLOCK_K]
     b_gv = tl.zeros([BLOCK_K], dtype=ACC)
     b_loss = tl.zeros([BLOCK_D], dtype=ACC)
-    for i_d in range(0, D, BLOCK_D):
-        o_d = i_d + tl.arange(0, BLOCK_D)
+    d0 = i_g * cols
+    for i_d in range(d0, tl.minimum(d0 + cols, D), BLOCK_D):  # runtime bounds, as the loop was before
+        o_d = i_d + tl.arange(0, BLOCK_D)  # column groups came in (a constexpr trip count ran slower)
         m_d = o_d < D
         m_w = m_ok[:, None] & m_d[None, :]
         b_w = tl.load(p_rows[:, None] + o_d[None, :].to(tl.int64) * stride_wd, mask=m_w, other=0).to(ACC)
@@ -124,8 +165,8 @@ def _sae_decode_fwd_kernel(
             b_gv += tl.sum(b_w * b_r[None, :], axis=1)
         tl.store(out_ptr + i_b * D + o_d, b_r.to(out_ptr.dtype.element_ty), mask=m_d)
     if IS_LOSS:
-        tl.store(gv_ptr + i_b * K + o_k, b_gv, mask=m_k)
-        tl.store(loss_ptr + i_b, tl.sum(b_loss, axis=0))
+        tl.store(gv_ptr + (i_g * B + i_b) * K + o_k, b_gv, mask=m_k)
+        tl.store(loss_ptr + i_g * B + i_b, tl.sum(b_loss, axis=0))
 
 
 @triton.jit
@@ -482,10 +523,10 @@ def decode_fwd(indices, vals, weight, bias):
     if B == 0 or D == 0:
         return out.zero_()
     idx, v = indices.contiguous(), vals.contiguous()
-    _launch(_sae_decode_fwd_kernel, (B,),
-        idx, v, weight, bias, None, out, None, None, K, D, F, *_weight_strides(weight),
-        HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc_dtype(vals, weight, bias)),
-        **_gather_config(K, D, weight.element_size()),
+    P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=False))
+    _launch(_sae_decode_fwd_kernel, (B, P),
+        idx, v, weight, bias, None, out, None, None, B, K, D, F, *_weight_strides(weight), cols,
+        HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc_dtype(vals, weight, bias)), **meta,
     )
     return out
 
@@ -634,18 +675,17 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     check_index_range("indices", indices, F)
     acc = acc_dtype(weight, vals, bias, target)
     resid = torch.empty(B, D, device=vals.device, dtype=acc)
-    gv = torch.empty(B, K, device=vals.device, dtype=acc)
-    row_loss = torch.empty(B, device=vals.device, dtype=acc)
-    if B > 0 and D > 0:
-        _launch(_sae_decode_fwd_kernel, (B,),
-            indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss,
-            K, D, F, *_weight_strides(weight),
-            HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
-        )
-    else:
-        for t in (resid, gv, row_loss):
-            t.zero_()
-    return row_loss.sum() / max(B * D, 1), resid, gv
+    if B == 0 or D == 0:
+        return resid.new_zeros(()), resid.zero_(), torch.zeros(B, K, device=vals.device, dtype=acc)
+    P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
+    gv = torch.empty(P, B, K, device=vals.device, dtype=acc)  # per column group, summed below
+    row_loss = torch.empty(P, B, device=vals.device, dtype=acc)
+    _launch(_sae_decode_fwd_kernel, (B, P),
+        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss,
+        B, K, D, F, *_weight_strides(weight), cols,
+        HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **meta,
+    )
+    return row_loss.sum() / (B * D), resid, (gv.sum(0) if P > 1 else gv[0])
 
 
 def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad):

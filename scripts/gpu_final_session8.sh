@@ -1,4 +1,0 @@
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-ncu --kernel-name regex:_hierarchical_sae --launch-skip 2 --launch-count 2 --metrics gpu__time_duration.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_op_red.sum,lts__t_sector_op_red_hit_rate.pct,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum python3 scripts/ncu_hier.py 128 > $OUT/ncu_hier_k128.txt 2>&1; tail -40 $OUT/ncu_hier_k128.txt
-python3 -m pytest -q -m "gpu or not gpu" tests/test_sae.py tests/test_sae_linear.py tests/test_sae_modules.py -p no:cacheprovider 2>&1 | tee $OUT/sae_tier_all.log | tail -3
-python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/test_sae.py --ignore=tests/test_sae_linear.py --ignore=tests/test_sae_modules.py 2>&1 | tee $OUT/gpu_tier_rest.log | tail -3
