@@ -2,9 +2,9 @@
 ``topk_sae_loss``. GPU only. Three round-robin rounds, median kept; writes $OUT/tune_sae.json.
 
 Variants: (layout, BLOCK_D bytes, num_warps; 0 = the heuristic's). ``row``: one program per row
-sweeping all of D with ``_gather_config``'s tile (every dtype before session 10, 16-bit weights
-since), so the B*K gathered rows come from DRAM. ``group``: GROUP = cdiv(BLOCK_K, BLOCK_D) tiles per
-program on the (row, column group) grid (fp32 and fp64 weights since session 10). The hierarchical
+sweeping all of D with ``_gather_config``'s tile (before session 10), so the B*K gathered rows come
+from DRAM. ``group``: GROUP = cdiv(BLOCK_K, BLOCK_D) tiles per program on the (row, column group)
+grid, BLOCK_D = bytes // itemsize (since session 10: 32 columns in every dtype). The hierarchical
 sweeps have their own script: scripts/tune_hier.py."""
 import json
 import os
@@ -19,8 +19,8 @@ from sparsefuse.bench.sae import make_inputs
 from sparsefuse.sae import kernels as kn
 
 B, F, D = 4096, 65536, 2304
-VARIANTS = [("row", 0, 0), ("group", 256, 0), ("group", 256, 2),
-            ("group", 512, 0), ("group", 128, 0)]  # num_warps 0: the heuristic's
+VARIANTS = [("row", 0, 0), ("group", 128, 0), ("group", 128, 2), ("group", 64, 0), ("group", 64, 2),
+            ("group", 256, 0)]  # num_warps 0: the heuristic's
 default = kn._decode_config
 
 

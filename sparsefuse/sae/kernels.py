@@ -7,8 +7,8 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
 
 * TopK: one gather pass (``_sae_decode_fwd_kernel`` with ``IS_LOSS``) reads each active decoder row
   once and produces the loss, the residual r = recon - target [B, D] and gv[b, k] = <r_b, w_idx>
-  (for fp32 weights on a (row, column group) grid whose programs in flight share one slice of the
-  decoder in L2, gv summed over the column groups after; see ``_decode_config``).
+  (on a (row, column group) grid whose programs in flight share one slice of the decoder in L2,
+  gv summed over the column groups after; see ``_decode_config``).
   The backward never touches the decoder again: the weight gradient is a segmented sum of residual
   rows (``_sae_weight_grad_kernel``) over entries sorted by feature. The residual is B*D floats, so
   those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
@@ -52,23 +52,18 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
 
 
 def _decode_config(K: int, D: int, itemsize: int, loss: bool) -> dict:
-    """The gather of ``_sae_decode_fwd_kernel``: BLOCK_K covers all K latents, and each program takes
-    GROUP tiles of BLOCK_D columns.
+    """The gather of ``_sae_decode_fwd_kernel``: BLOCK_K covers all K latents; tiles of 32 columns
+    (fewer for a large K, within the register budget) on a (row, column group) grid, so the gathers
+    hit L2. The loss groups GROUP * BLOCK_D >= K columns per program, which keeps its per-group gv
+    parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within B * (D + K) at any K.
 
-    4- and 8-byte rows: 128-byte tiles (32 fp32 columns) on a (row, column group) grid, so the
-    gathers hit L2; the loss groups GROUP * BLOCK_D >= K columns per program, which keeps its
-    per-group gv parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within B * (D + K) at any K.
-    16-bit rows: one program per row sweeping all of D (P = 1), as every dtype did before. Full TopK
-    steps on one H200 run (F = 65536, D = 2304, B = 4096, ms at K = 32 / 64 / 128,
-    ``scripts/tune_sae.py``, ``benchmarks/logs/tune_sae_session10_run2.json``): fp32 0.727 / 0.874 /
-    1.516 grouped against 0.681 / 0.936 / 1.608 a row a program (K = 32 is host-bound); bf16 0.796 /
-    0.830 / 1.456 grouped against 0.608 / 0.810 / 1.374. 16-bit rows are half the DRAM bytes, and
-    there the grouped grid's extra index loads and partial sums cost more than L2 saves."""
-    if itemsize <= 2:
-        cfg = _gather_config(K, D, itemsize)
-        return dict(cfg, GROUP=cdiv(D, cfg["BLOCK_D"]))
+    Full TopK steps on one H200 run (F = 65536, D = 2304, B = 4096, ms at K = 32 / 64 / 128,
+    ``scripts/tune_sae.py``, ``benchmarks/logs/tune_sae_session10_run3.json``): fp32 0.741 / 0.867 /
+    1.501 with 32 columns against 0.705 / 0.939 / 1.601 a row a program (as before session 10) and
+    0.746 / 0.921 / 1.652 with 64; bf16 0.740 / 0.856 / 1.294 against 0.745 / 0.883 / 1.366 a row a
+    program and 0.738 / 0.907 / 1.440 with 64. K = 32 is host-bound."""
     block_k = next_pow2(K)
-    block_d = max(16, min(next_pow2(max(D, 1)), 128 // itemsize, _GATHER_TILE // block_k))
+    block_d = max(16, min(next_pow2(max(D, 1)), 32, _GATHER_TILE // block_k))
     group = cdiv(block_k, block_d) if loss else 1
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, GROUP=group, num_warps=max(1, min(8, block_k * block_d // 4096)))
 
@@ -138,12 +133,11 @@ def _sae_decode_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per (row, group of ``cols`` columns), the row on the fast grid axis: with
-    several groups the programs in flight gather from one F x cols slice of the
-    decoder, which L2 holds, so each decoder element comes from DRAM about once however many rows
-    use it; with one group each program sweeps its row's whole D. Each tile holds
-    the columns of all K latents [BLOCK_K, BLOCK_D]: the residual tile and its dot products with the
-    same rows come out of one load. See ``_decode_config``."""
+    """One program per (row, group of ``cols`` columns), the row on the fast grid axis: the programs
+    in flight gather from one F x cols slice of the decoder, which L2 holds, so each decoder element
+    comes from DRAM about once however many rows use it. Each tile holds the columns of all K
+    latents [BLOCK_K, BLOCK_D]: the residual tile and its dot products with the same rows come out
+    of one load. See ``_decode_config``."""
     i_b = tl.program_id(0).to(tl.int64)
     i_g = tl.program_id(1)
     o_k, m_k, m_ok, b_idx, b_v = _load_row_latents(idx_ptr, vals_ptr, i_b, K, F, ACC, BLOCK_K)
