@@ -1,4 +1,4 @@
-"""The benchmark harness's round-robin rounds (``Case.rounds``), with the timing stubbed out."""
+"""The benchmark harness: round-robin rounds (``Case.rounds``, timing stubbed out) and the host profile."""
 
 from sparsefuse.bench import harness
 
@@ -22,3 +22,17 @@ def test_rounds_are_round_robin_and_keep_the_median(monkeypatch):
     assert [(r.provider, r.ms) for r in got] == [("a", 3.0), ("b", 2.0), ("c", 8.0)]
     assert got[0].extra["rounds_ms"] == [1.0, 3.0, 5.0] and "rounds_ms" not in got[1].extra
     assert harness.run_cases([], log=None) == []
+
+
+def test_host_profile_reports_the_profiled_function():
+    import io
+
+    calls = []
+
+    def step_under_profile():
+        calls.append(1)
+
+    out = io.StringIO()
+    harness.host_profile(step_under_profile, n=7, top=5, stream=out)
+    assert len(calls) == 7
+    assert "step_under_profile" in out.getvalue() and "7 " in out.getvalue()

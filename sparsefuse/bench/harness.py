@@ -108,6 +108,22 @@ def host_us(fn, n: int = 200, warmup: int = 20) -> float:
     return (t1 - t0) / n * 1e6
 
 
+def host_profile(fn, n: int = 200, top: int = 20, stream=None) -> None:
+    """cProfile of ``n`` calls of ``fn`` (no synchronisation inside), the ``top`` entries by own time
+    printed to ``stream`` (stdout): where a call's host time goes, Python function by function."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    pstats.Stats(pr, stream=stream).sort_stats("tottime").print_stats(top)
+
+
 def _warm_gpu(case, seconds: float = 0.5) -> None:
     """Run ``case`` untimed for a while first: the first case of a process otherwise pays for clocks
     ramping up from idle and lazy initialisation (seen as a 0.7 vs 1.1-1.3 ms spread on the first
