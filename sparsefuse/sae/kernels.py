@@ -54,17 +54,22 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
 def _decode_config(K: int, D: int, itemsize: int, loss: bool) -> dict:
     """The gather of ``_sae_decode_fwd_kernel``: BLOCK_K covers all K latents; tiles of 32 columns
     (fewer for a large K, within the register budget) on a (row, column group) grid, so the gathers
-    hit L2. The loss groups GROUP * BLOCK_D >= K columns per program, which keeps its per-group gv
-    parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within B * (D + K) at any K.
+    hit L2. The loss groups GROUP * BLOCK_D >= max(K, 128) columns per program, which keeps its
+    per-group gv parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within B * (D + K) at any K.
 
     Full TopK steps on one H200 run (F = 65536, D = 2304, B = 4096, ms at K = 32 / 64 / 128,
     ``scripts/tune_sae.py``, ``benchmarks/logs/tune_sae_session10_run3.json``): fp32 0.741 / 0.867 /
     1.501 with 32 columns against 0.705 / 0.939 / 1.601 a row a program (as before session 10) and
     0.746 / 0.921 / 1.652 with 64; bf16 0.740 / 0.856 / 1.294 against 0.745 / 0.883 / 1.366 a row a
-    program and 0.738 / 0.907 / 1.440 with 64. K = 32 is host-bound."""
+    program and 0.738 / 0.907 / 1.440 with 64. K = 32 is host-bound.
+
+    At least 128 columns a program for the loss (session 11; GPU time of a step, K = 32 / 64,
+    ``scripts/probe_topk_host.py``, ``benchmarks/logs/probe_topk_host_session11.json``): fp32
+    0.588 / 0.846 ms against 0.632 / 0.861 with K columns, bf16 0.517 / 0.724 against 0.560 / 0.743;
+    256 columns no better. Fewer, longer programs load each row's K ids and values fewer times."""
     block_k = next_pow2(K)
     block_d = max(16, min(next_pow2(max(D, 1)), 32, _GATHER_TILE // block_k))
-    group = cdiv(block_k, block_d) if loss else 1
+    group = cdiv(max(block_k, 128), block_d) if loss else 1
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, GROUP=group, num_warps=max(1, min(8, block_k * block_d // 4096)))
 
 
@@ -119,7 +124,8 @@ def _sae_decode_fwd_kernel(
     tgt_ptr,  # [B, D] (IS_LOSS)
     out_ptr,  # [B, D]: recon in the output dtype, or the ACC residual recon - target (IS_LOSS)
     gv_ptr,  # [P, B, K] ACC: column group p's part of <resid_b, w_idx[b, k]> (IS_LOSS)
-    loss_ptr,  # [P, B] ACC: column group p's part of sum_d resid[b, d]^2 (IS_LOSS)
+    loss_ptr,  # [P, B] ACC: column group p's part of sum_d resid[b, d]^2 / numel (IS_LOSS)
+    numel,  # B * D: the loss is a mean (IS_LOSS; an integer, so float64 gets an exact divisor)
     B,
     K,
     D,
@@ -161,7 +167,7 @@ def _sae_decode_fwd_kernel(
         tl.store(out_ptr + i_b * D + o_d, b_r.to(out_ptr.dtype.element_ty), mask=m_d)
     if IS_LOSS:
         tl.store(gv_ptr + (i_g * B + i_b) * K + o_k, b_gv, mask=m_k)
-        tl.store(loss_ptr + i_g * B + i_b, tl.sum(b_loss, axis=0))
+        tl.store(loss_ptr + i_g * B + i_b, tl.sum(b_loss, axis=0) / numel)
 
 
 @triton.jit
@@ -391,6 +397,7 @@ def _hierarchical_sae_bwd_kernel(
 def _sae_weight_grad_kernel(
     seg_ptr,  # [F + 1] int64: feature f owns sorted entries seg[f] .. seg[f + 1] - 1
     order_ptr,  # [B * K] int64: flat entry ids b * K + k, sorted by feature
+    idx_ptr,  # [B * K] int64 feature ids (CHECK_IDS: they were sorted as int32 keys, which can wrap)
     vals_ptr,  # [B * K] per-entry weights (WEIGHTED)
     rows_ptr,  # [B, D], or [B * K, D] when ROW_PER_ENTRY
     scale_ptr,  # [] device scalar factor (HAS_SCALE)
@@ -399,6 +406,7 @@ def _sae_weight_grad_kernel(
     K,
     D,
     stride_gw,
+    CHECK_IDS: tl.constexpr,
     WEIGHTED: tl.constexpr,
     ROW_PER_ENTRY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -426,8 +434,13 @@ def _sae_weight_grad_kernel(
         if WEIGHTED:
             b_v = tl.load(vals_ptr + i_ent).to(ACC)
             b_x *= b_v
-            if HAS_WSUM:
-                b_wsum += b_v
+        if CHECK_IDS:  # an id that wrapped onto f is not f's: it adds nothing (not even a NaN row)
+            m_own = tl.load(idx_ptr + i_ent) == i_f
+            b_x = tl.where(m_own, b_x, 0.0)
+            if WEIGHTED:
+                b_v = tl.where(m_own, b_v, 0.0)
+        if WEIGHTED and HAS_WSUM:
+            b_wsum += b_v
         b_acc += b_x
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
@@ -494,6 +507,39 @@ def _scale_cast_kernel(
     tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _topk_finish_kernel(
+    gv_ptr,  # [P, BK] ACC: the column groups' parts of gv (_sae_decode_fwd_kernel)
+    gvals_ptr,  # [BK] out, vals dtype
+    colsum_ptr,  # [D] ACC: sum_b resid[b]
+    gbias_ptr,  # [D] out, bias dtype
+    gc_ptr,  # [] ACC: g * 2 / (B * D)
+    P,
+    BK,
+    D,
+    n_vals,  # programs 0 .. n_vals - 1 write grad_vals, the rest grad_bias
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """grad_vals = gc * sum_p gv[p] and grad_bias = gc * colsum, each cast to its parameter's dtype:
+    one launch for what would be four or five small torch ops a step (host time at small K)."""
+    i_p = tl.program_id(0)
+    gc = tl.load(gc_ptr).to(ACC)
+    if i_p < n_vals:
+        o = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < BK
+        b_acc = tl.zeros([BLOCK], dtype=ACC)
+        p_gv = gv_ptr + o
+        for _ in range(P):
+            b_acc += tl.load(p_gv, mask=m, other=0)
+            p_gv += BK
+        tl.store(gvals_ptr + o, (b_acc * gc).to(gvals_ptr.dtype.element_ty), mask=m)
+    else:
+        o = (i_p - n_vals) * BLOCK + tl.arange(0, BLOCK)
+        m = o < D
+        tl.store(gbias_ptr + o, (tl.load(colsum_ptr + o, mask=m, other=0) * gc).to(gbias_ptr.dtype.element_ty), mask=m)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers. Inputs are already shape/dtype-checked by the public functions (ops.py); these make
 # the small operands contiguous (the weight is used through its strides, never copied), check the
@@ -520,7 +566,7 @@ def decode_fwd(indices, vals, weight, bias):
     idx, v = indices.contiguous(), vals.contiguous()
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=False))
     _launch(_sae_decode_fwd_kernel, (B, P),
-        idx, v, weight, bias, None, out, None, None, B, K, D, F, *_weight_strides(weight), cols,
+        idx, v, weight, bias, None, out, None, None, 1, B, K, D, F, *_weight_strides(weight), cols,
         HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc_dtype(vals, weight, bias)), **meta,
     )
     return out
@@ -532,14 +578,20 @@ def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Te
     return torch.arange(n, device=device, dtype=dtype)
 
 
+def _narrow_keys(indices, num_features) -> bool:
+    """Whether :func:`feature_segments` sorts ``indices`` as int32 keys, which an int64 id can wrap in."""
+    return indices.dtype == torch.int64 and num_features < 2**31 - 1
+
+
 def feature_segments(indices, num_features):
     """(seg [F + 1], order [B * K]): entries sorted stably by feature; feature f owns the sorted
     entries seg[f] .. seg[f + 1] - 1 (out-of-range ids, index checks off, fall in no segment)."""
     keys = indices.reshape(-1)
-    if keys.dtype == torch.int64 and num_features < 2**31 - 1:
-        # a radix sort over 4-byte keys takes half the time; the clamp keeps an out-of-range index
-        # (index checks off) outside every segment instead of wrapping onto a real feature
-        keys = keys.clamp(-1, num_features).to(torch.int32)
+    if _narrow_keys(indices, num_features):
+        # a radix sort over 4-byte keys takes half the time; an out-of-range int64 id (index checks
+        # off) may wrap onto a real feature's segment, so the weight-gradient kernel checks each
+        # entry's id against its feature (cheaper than a clamp: one host op less a step)
+        keys = keys.to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
     return torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype)), order
 
@@ -564,10 +616,11 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
         return out
     seg, order = feature_segments(indices, num_features) if segments is None else segments
     grid = (num_features, max(cdiv(D, _SEG_BLOCK_D), 1))
+    check = _narrow_keys(indices, num_features)
     _launch(_sae_weight_grad_kernel, grid,
-        seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
-        wsum, K, D, out.stride(0),
-        WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
+        seg, order, indices.contiguous() if check else None, None if entry_weights is None else entry_weights.contiguous(),
+        rows.contiguous(), scale, out, wsum, K, D, out.stride(0),
+        CHECK_IDS=check, WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
         HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc_dtype(rows, entry_weights)), BLOCK_D=_SEG_BLOCK_D,
         num_warps=_SEG_WARPS,
     )
@@ -663,34 +716,48 @@ def decode_bwd(grad, indices, vals, weight, need_weight_grad):
     return grad_vals, grad_weight, grad_bias
 
 
+def topk_gv_parts(K: int, D: int, itemsize: int) -> int:
+    """P, the column groups of the TopK gather: each writes its own [B, K] part of gv."""
+    return _decode_launch(D, _decode_config(K, D, itemsize, loss=True))[0]
+
+
 def topk_loss_fwd(indices, weight, vals, bias, target):
-    """(loss [] ACC, resid [B, D] ACC, gv [B, K] ACC)."""
+    """(loss [] ACC, resid [B, D] ACC, gv [P, B, K] ACC): gv's column-group parts are summed by the
+    backward (``topk_gv_parts``)."""
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
     acc = acc_dtype(weight, vals, bias, target)
+    P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
     resid = torch.empty(B, D, device=vals.device, dtype=acc)
     if B == 0 or D == 0:
-        return resid.new_zeros(()), resid.zero_(), torch.zeros(B, K, device=vals.device, dtype=acc)
-    P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
-    gv = torch.empty(P, B, K, device=vals.device, dtype=acc)  # per column group, summed below
+        return resid.new_zeros(()), resid.zero_(), torch.zeros(P, B, K, device=vals.device, dtype=acc)
+    gv = torch.empty(P, B, K, device=vals.device, dtype=acc)
     row_loss = torch.empty(P, B, device=vals.device, dtype=acc)
     _launch(_sae_decode_fwd_kernel, (B, P),
-        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss,
+        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss, B * D,
         B, K, D, F, *_weight_strides(weight), cols,
         HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **meta,
     )
-    return row_loss.sum() / (B * D), resid, (gv.sum(0) if P > 1 else gv[0])
+    return row_loss.sum(), resid, gv
 
 
-def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad):
-    """Gradients of the TopK loss scaled by grad_loss (a device scalar: no host sync)."""
+_FINISH_BLOCK = 1024
+
+
+def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
+    """Gradients of the TopK loss scaled by grad_loss (a device scalar: no host sync): grad_vals in
+    vals' dtype, grad_weight in weight's, grad_bias in ``bias_dtype``."""
     B, D = resid.shape
-    c = 2.0 / max(B * D, 1)
-    g = grad_loss.to(resid.dtype)
-    gc = g * c
-    grad_vals = (gv * gc).to(vals.dtype)
-    grad_bias = resid.sum(0).mul_(gc)
+    K = indices.shape[1]
+    gc = grad_loss.to(resid.dtype) * (2.0 / max(B * D, 1))
+    grad_vals = torch.empty(B, K, device=resid.device, dtype=vals.dtype)
+    grad_bias = torch.empty(D, device=resid.device, dtype=bias_dtype)
+    n_vals = cdiv(B * K, _FINISH_BLOCK)
+    grid = n_vals + cdiv(D, _FINISH_BLOCK)
+    if grid:
+        _launch(_topk_finish_kernel, (grid,), gv, grad_vals, resid.sum(0), grad_bias, gc, gv.shape[0], B * K, D,
+                n_vals, ACC=_tl_dtype(resid.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
     grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
                    if need_weight_grad else weight.new_empty(0))
     return grad_vals, grad_weight, grad_bias

@@ -200,24 +200,40 @@ def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Ten
 # --- topk_sae_loss ---------------------------------------------------------------------------
 
 
+def _gv_parts(K, D, weight) -> int:
+    """Column-group parts of the TopK forward's gv: the kernels' (CUDA, or the interpreter), else 1."""
+    return kernels.topk_gv_parts(K, D, weight.element_size()) if weight.is_cuda or INTERPRET else 1
+
+
 def _topk_fake(indices, weight, vals, bias, target):
     acc = reference.acc_dtype(weight, vals, bias, target)
-    B, K = indices.shape
-    return vals.new_empty((), dtype=acc), vals.new_empty(B, weight.shape[1], dtype=acc), vals.new_empty(B, K, dtype=acc)
+    (B, K), D = indices.shape, weight.shape[1]
+    return (vals.new_empty((), dtype=acc), vals.new_empty(B, D, dtype=acc),
+            vals.new_empty(_gv_parts(K, D, weight), B, K, dtype=acc))
 
 
-def _topk_bwd_fake(grad_loss, indices, vals, weight, resid, gv, need_weight_grad):
+def _topk_reference(indices, weight, vals, bias, target):
+    loss, resid, gv = reference.topk_sae_loss_fwd(indices, weight, vals, bias, target)
+    return loss, resid, gv[None]
+
+
+def _topk_bwd_fake(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
     # contiguous, as the kernels return it
     grad_weight = weight.new_empty(weight.shape) if need_weight_grad else weight.new_empty(0)
-    return vals.new_empty(vals.shape), grad_weight, resid.new_empty(resid.shape[1])
+    return vals.new_empty(vals.shape), grad_weight, resid.new_empty(resid.shape[1], dtype=bias_dtype)
 
 
-@register_op("topk_sae_loss_bwd", fake=_topk_bwd_fake, reference=reference.topk_sae_loss_bwd)
+def _topk_bwd_reference(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
+    gvals, gw, gb = reference.topk_sae_loss_bwd(grad_loss, indices, vals, weight, resid, gv.sum(0), need_weight_grad)
+    return gvals, gw, gb.to(bias_dtype)
+
+
+@register_op("topk_sae_loss_bwd", fake=_topk_bwd_fake, reference=_topk_bwd_reference)
 def _topk_bwd_op(
     grad_loss: Tensor, indices: Tensor, vals: Tensor, weight: Tensor, resid: Tensor, gv: Tensor,
-    need_weight_grad: bool,
+    need_weight_grad: bool, bias_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return kernels.topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad)
+    return kernels.topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype)
 
 
 def _topk_setup(ctx, inputs, output):
@@ -234,12 +250,12 @@ def _topk_backward(ctx, grad_loss, _grad_resid, _grad_gv):
         return None, None, None, None, None
     indices, vals, weight, resid, gv = ctx.saved_tensors
     _, need_weight, need_vals, need_bias, _ = ctx.needs_input_grad
-    gvals, gw, gb = _topk_bwd_op(grad_loss, indices, vals, weight, resid, gv, need_weight)
-    return (None, gw if need_weight else None, gvals if need_vals else None,
-            gb.to(ctx.bias_dtype) if need_bias else None, None)
+    gvals, gw, gb = _topk_bwd_op(grad_loss, indices, vals, weight, resid, gv, need_weight,
+                                 ctx.bias_dtype or resid.dtype)
+    return (None, gw if need_weight else None, gvals if need_vals else None, gb if need_bias else None, None)
 
 
-@register_op("topk_sae_loss", fake=_topk_fake, reference=reference.topk_sae_loss_fwd,
+@register_op("topk_sae_loss", fake=_topk_fake, reference=_topk_reference,
              backward=_topk_backward, setup_context=_topk_setup)
 def _topk_op(
     indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor
