@@ -8,7 +8,8 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
 * TopK: one gather pass (``_sae_decode_fwd_kernel`` with ``IS_LOSS``) reads each active decoder row
   once and produces the loss, the residual r = recon - target [B, D] and gv[b, k] = <r_b, w_idx>
   (on a (row, column group) grid whose programs in flight share one slice of the decoder in L2,
-  gv summed over the column groups after; see ``_decode_config``).
+  each group writing its own part of gv; see ``_decode_config`` and ``topk_gv_parts``). The
+  backward's ``_topk_finish_kernel`` sums the parts into grad_vals and scales the bias gradient.
   The backward never touches the decoder again: the weight gradient is a segmented sum of residual
   rows (``_sae_weight_grad_kernel``) over entries sorted by feature. The residual is B*D floats, so
   those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
@@ -526,18 +527,19 @@ def _topk_finish_kernel(
     i_p = tl.program_id(0)
     gc = tl.load(gc_ptr).to(ACC)
     if i_p < n_vals:
-        o = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = o < BK
+        o_e = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m_e = o_e < BK
         b_acc = tl.zeros([BLOCK], dtype=ACC)
-        p_gv = gv_ptr + o
+        p_gv = gv_ptr + o_e
         for _ in range(P):
-            b_acc += tl.load(p_gv, mask=m, other=0)
+            b_acc += tl.load(p_gv, mask=m_e, other=0)
             p_gv += BK
-        tl.store(gvals_ptr + o, (b_acc * gc).to(gvals_ptr.dtype.element_ty), mask=m)
+        tl.store(gvals_ptr + o_e, (b_acc * gc).to(gvals_ptr.dtype.element_ty), mask=m_e)
     else:
-        o = (i_p - n_vals) * BLOCK + tl.arange(0, BLOCK)
-        m = o < D
-        tl.store(gbias_ptr + o, (tl.load(colsum_ptr + o, mask=m, other=0) * gc).to(gbias_ptr.dtype.element_ty), mask=m)
+        o_d = (i_p - n_vals) * BLOCK + tl.arange(0, BLOCK)
+        m_d = o_d < D
+        b_s = tl.load(colsum_ptr + o_d, mask=m_d, other=0)
+        tl.store(gbias_ptr + o_d, (b_s * gc).to(gbias_ptr.dtype.element_ty), mask=m_d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -717,13 +719,17 @@ def decode_bwd(grad, indices, vals, weight, need_weight_grad):
 
 
 def topk_gv_parts(K: int, D: int, itemsize: int) -> int:
-    """P, the column groups of the TopK gather: each writes its own [B, K] part of gv."""
-    return _decode_launch(D, _decode_config(K, D, itemsize, loss=True))[0]
+    """How many [B, K] parts of gv the TopK forward hands to the backward. Each of the gather's P
+    column groups writes its own part; the backward's finishing launch sums them, one host op a step
+    fewer than a sum in the forward. Where the parts would outweigh half a residual (P * K > D / 2:
+    large K, where the step is GPU-bound anyway) the forward sums them instead, so the memory held
+    between forward and backward stays flat in K."""
+    P = _decode_launch(D, _decode_config(K, D, itemsize, loss=True))[0]
+    return P if 2 * P * K <= D else 1
 
 
 def topk_loss_fwd(indices, weight, vals, bias, target):
-    """(loss [] ACC, resid [B, D] ACC, gv [P, B, K] ACC): gv's column-group parts are summed by the
-    backward (``topk_gv_parts``)."""
+    """(loss [] ACC, resid [B, D] ACC, gv [topk_gv_parts, B, K] ACC): parts of gv for the backward to sum."""
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
@@ -731,7 +737,8 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
     resid = torch.empty(B, D, device=vals.device, dtype=acc)
     if B == 0 or D == 0:
-        return resid.new_zeros(()), resid.zero_(), torch.zeros(P, B, K, device=vals.device, dtype=acc)
+        parts = topk_gv_parts(K, D, weight.element_size())
+        return resid.new_zeros(()), resid.zero_(), torch.zeros(parts, B, K, device=vals.device, dtype=acc)
     gv = torch.empty(P, B, K, device=vals.device, dtype=acc)
     row_loss = torch.empty(P, B, device=vals.device, dtype=acc)
     _launch(_sae_decode_fwd_kernel, (B, P),
@@ -739,6 +746,8 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
         B, K, D, F, *_weight_strides(weight), cols,
         HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **meta,
     )
+    if topk_gv_parts(K, D, weight.element_size()) < P:
+        gv = gv.sum(0, keepdim=True)
     return row_loss.sum(), resid, gv
 
 
