@@ -24,8 +24,8 @@ def seg(block_d, warps):
     sk, order = torch.sort(keys, stable=True)
     s = torch.searchsorted(sk, kernels._feature_range(N + 1, keys.device, keys.dtype))
     return lambda: kernels._launch(
-        kernels._sae_weight_grad_kernel, (N, -(-D // block_d)), s, order, None, g, x, None, out, wsum, K, D, D,
-        CHECK_IDS=False, WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=False, HAS_WSUM=True, ACC=kernels.tl.float32,
+        kernels._sae_weight_grad_kernel, (N, -(-D // block_d)), s, order, g, x, None, out, wsum, K, D, 1.0,
+        WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=False, HAS_WSUM=True, ACC=kernels.tl.float32,
         BLOCK_D=block_d, num_warps=warps)
 
 

@@ -398,7 +398,6 @@ def _hierarchical_sae_bwd_kernel(
 def _sae_weight_grad_kernel(
     seg_ptr,  # [F + 1] int64: feature f owns sorted entries seg[f] .. seg[f + 1] - 1
     order_ptr,  # [B * K] int64: flat entry ids b * K + k, sorted by feature
-    idx_ptr,  # [B * K] int64 feature ids (CHECK_IDS: they were sorted as int32 keys, which can wrap)
     vals_ptr,  # [B * K] per-entry weights (WEIGHTED)
     rows_ptr,  # [B, D], or [B * K, D] when ROW_PER_ENTRY
     scale_ptr,  # [] device scalar factor (HAS_SCALE)
@@ -407,7 +406,6 @@ def _sae_weight_grad_kernel(
     K,
     D,
     stride_gw,
-    CHECK_IDS: tl.constexpr,
     WEIGHTED: tl.constexpr,
     ROW_PER_ENTRY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -435,13 +433,8 @@ def _sae_weight_grad_kernel(
         if WEIGHTED:
             b_v = tl.load(vals_ptr + i_ent).to(ACC)
             b_x *= b_v
-        if CHECK_IDS:  # an id that wrapped onto f is not f's: it adds nothing (not even a NaN row)
-            m_own = tl.load(idx_ptr + i_ent) == i_f
-            b_x = tl.where(m_own, b_x, 0.0)
-            if WEIGHTED:
-                b_v = tl.where(m_own, b_v, 0.0)
-        if WEIGHTED and HAS_WSUM:
-            b_wsum += b_v
+            if HAS_WSUM:
+                b_wsum += b_v
         b_acc += b_x
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
@@ -580,20 +573,16 @@ def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Te
     return torch.arange(n, device=device, dtype=dtype)
 
 
-def _narrow_keys(indices, num_features) -> bool:
-    """Whether :func:`feature_segments` sorts ``indices`` as int32 keys, which an int64 id can wrap in."""
-    return indices.dtype == torch.int64 and num_features < 2**31 - 1
-
-
 def feature_segments(indices, num_features):
     """(seg [F + 1], order [B * K]): entries sorted stably by feature; feature f owns the sorted
     entries seg[f] .. seg[f + 1] - 1 (out-of-range ids, index checks off, fall in no segment)."""
     keys = indices.reshape(-1)
-    if _narrow_keys(indices, num_features):
-        # a radix sort over 4-byte keys takes half the time; an out-of-range int64 id (index checks
-        # off) may wrap onto a real feature's segment, so the weight-gradient kernel checks each
-        # entry's id against its feature (cheaper than a clamp: one host op less a step)
-        keys = keys.to(torch.int32)
+    if keys.dtype == torch.int64 and num_features < 2**31 - 1:
+        # a radix sort over 4-byte keys takes half the time; the clamp keeps an out-of-range index
+        # (index checks off) outside every segment instead of wrapping onto a real feature. (Session
+        # 11 tried narrowing without the clamp, the weight-gradient kernel checking each entry's id
+        # instead: one host op fewer a step, but 9% more time in that kernel at K = 64.)
+        keys = keys.clamp(-1, num_features).to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
     return torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype)), order
 
@@ -618,11 +607,10 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
         return out
     seg, order = feature_segments(indices, num_features) if segments is None else segments
     grid = (num_features, max(cdiv(D, _SEG_BLOCK_D), 1))
-    check = _narrow_keys(indices, num_features)
     _launch(_sae_weight_grad_kernel, grid,
-        seg, order, indices.contiguous() if check else None, None if entry_weights is None else entry_weights.contiguous(),
-        rows.contiguous(), scale, out, wsum, K, D, out.stride(0),
-        CHECK_IDS=check, WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
+        seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
+        wsum, K, D, out.stride(0),
+        WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
         HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc_dtype(rows, entry_weights)), BLOCK_D=_SEG_BLOCK_D,
         num_warps=_SEG_WARPS,
     )
