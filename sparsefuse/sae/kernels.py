@@ -712,7 +712,10 @@ def topk_gv_parts(K: int, D: int, itemsize: int) -> int:
     fewer than a sum in the forward. Where the parts would outweigh half a residual (P * K > D / 2:
     large K, where the step is GPU-bound anyway) the forward sums them instead, so the memory held
     between forward and backward stays flat in K."""
-    P = _decode_launch(D, _decode_config(K, D, itemsize, loss=True))[0]
+    return _gv_parts_kept(_decode_launch(D, _decode_config(K, D, itemsize, loss=True))[0], K, D)
+
+
+def _gv_parts_kept(P: int, K: int, D: int) -> int:
     return P if 2 * P * K <= D else 1
 
 
@@ -723,9 +726,9 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     check_index_range("indices", indices, F)
     acc = acc_dtype(weight, vals, bias, target)
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
+    parts = _gv_parts_kept(P, K, D)
     resid = torch.empty(B, D, device=vals.device, dtype=acc)
     if B == 0 or D == 0:
-        parts = topk_gv_parts(K, D, weight.element_size())
         return resid.new_zeros(()), resid.zero_(), torch.zeros(parts, B, K, device=vals.device, dtype=acc)
     gv = torch.empty(P, B, K, device=vals.device, dtype=acc)
     row_loss = torch.empty(P, B, device=vals.device, dtype=acc)
@@ -734,7 +737,7 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
         B, K, D, F, *_weight_strides(weight), cols,
         HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **meta,
     )
-    if topk_gv_parts(K, D, weight.element_size()) < P:
+    if parts < P:
         gv = gv.sum(0, keepdim=True)
     return row_loss.sum(), resid, gv
 
