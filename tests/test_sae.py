@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import sparsefuse
 from sparsefuse import compat
@@ -426,6 +427,27 @@ def test_torch_compile_fullgraph_parity(op, layout):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("op", list(OPS))
+def test_batch_size_is_dynamic_under_compile(op):
+    """B is a runtime value in the fake implementations too: with dynamic shapes, one compiled
+    forward + backward serves every batch size (B = 1 and 0 aside, which PyTorch specialises)."""
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+
+    def step(idx, w, v, b, t):
+        out = OPS[op][0](idx, w, v, b, t)
+        return out.square().sum() if out.dim() else out
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for B in (5, 7, 11):  # none equal to K, F or D, which would share B's symbol
+        args = make(B, 3, 6, 8, torch.float32)
+        got = value_and_grads(compiled, *args)
+        want = value_and_grads(step, *args)
+        for name, a, b in zip(["value", "grad_weight", "grad_vals", "grad_bias"], got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{op} {name} at B = {B}")
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for three batch sizes"
+
+
 # --- bad input -----------------------------------------------------------------------------
 
 
@@ -641,6 +663,28 @@ def test_gpu_cuda_graph_capture_of_forward_and_backward(op, dtype):
             assert_close(a, c, dtype, f"{op} {name} (replay {seed})")
             if op != "hierarchical":
                 assert torch.equal(a, b), f"{op} {name}: the replay differs from an eager step"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_no_kernel_compiles_per_batch_size(op, dtype):
+    """B reaches every kernel as a runtime integer: after one step at B = 345, steps at other batch
+    sizes compile nothing. The launcher caches a compiled kernel per Triton specialisation, so its
+    cache would grow if B (or B * K, B * D) were a constexpr. Triton also specialises an integer on
+    being 1 or a multiple of 16: the sizes are odd with D = 100 and B * K > 1024 (no count of
+    1024-entry blocks is 1), so no B-derived integer crosses those. F is large enough that bf16's
+    hierarchical path stays the same (staged rows) at every B."""
+    from sparsefuse import _launch
+
+    if not _launch.FAST:
+        pytest.skip("SPARSEFUSE_FAST_LAUNCH=0: launches bypass the launcher's cache")
+    K, F, D = 3, 4096, 100
+    value_and_grads(OPS[op][0], *make(345, K, F, D, dtype))
+    compiled = len(_launch._CACHE)
+    for B in (347, 349, 1001, 2001):
+        value_and_grads(OPS[op][0], *make(B, K, F, D, dtype))
+    assert len(_launch._CACHE) == compiled, f"{len(_launch._CACHE) - compiled} kernels compiled for new batch sizes"
 
 
 @pytest.mark.gpu
