@@ -8,14 +8,14 @@ B, F, D = 4096, 65536, 2304
 for dtype in (torch.float32, torch.bfloat16):
     for K in (32, 64, 128):
         idx, w, v, b, tg = make_inputs(B, K, F, D, dtype, "cuda")
-        etot = torch.randn(B, D, device="cuda"); g1 = torch.ones((), device="cuda")
+        etot = torch.randn(B, D, device="cuda"); g1 = torch.full((), 1e-9, device="cuda")
         gw = torch.zeros(F, D, device="cuda")
         cfg = kn._hier_config(D, w.element_size(), backward=True)
         grid = kn._hier_grid(B, D, cfg)
         res = []
         for staged in (False, True):
             gv = torch.zeros(grid[1], B, K, device="cuda") if staged else torch.zeros(B, K, device="cuda")
-            f = lambda: kn._hierarchical_sae_bwd_kernel[grid](idx, v, w, b, tg, etot, g1, gw, gv, None, B, K, D, F, D, 1, 1e-9, 0,
+            f = lambda: kn._hierarchical_sae_bwd_kernel[grid](idx, v, w, b, tg, etot, g1, gw, gv, None, B, K, D, F, D, 1, 0,
                 D, HAS_BIAS=True, WEIGHT_GRAD=1, STAGED_GV=staged, FUSED=False, ACC=tl.float32, **cfg)
             f(); torch.cuda.synchronize()
             res.append(do_bench(f, warmup=20, rep=100))

@@ -89,7 +89,7 @@ def part2():
                 idx, w, v, b, t, True, False),
             "zero-fill F x D": lambda: torch.zeros(F, D, device="cuda"),
             "scale pass F x D (read + write)": lambda: kn._launch(
-                kn._scale_cast_kernel, (n // 4096,), buf, dst, gs, 1.0, n, ACC=kn.tl.float32, BLOCK=4096,
+                kn._scale_cast_kernel, (n // 4096,), buf, dst, gs, n, ACC=kn.tl.float32, BLOCK=4096,
                 num_warps=8),
         }
         row = dict(K=K)

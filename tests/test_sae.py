@@ -323,6 +323,34 @@ def test_topk_column_group_parts_of_gv(B, K, F, D):
     check_against_fp64("topk", idx, weight, vals, bias, target, torch.float32)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_weight_grad_feature_sums(weighted):
+    """The segmented sum behind every weight gradient, with its per-feature sum of entry weights
+    (``wsum``); without entry weights each entry weighs 1, so ``wsum`` counts the feature's entries."""
+    from sparsefuse.sae import kernels
+
+    idx, _, vals, _, target = make(6, 4, 5, 7, torch.float64)
+    got_wsum = torch.empty(5, dtype=torch.float64, device=DEVICE)
+    got = kernels.weight_grad(idx, target, vals if weighted else None, 5, torch.float64, wsum=got_wsum)
+    w = vals if weighted else torch.ones_like(vals)
+    flat = idx.reshape(-1)
+    want = torch.zeros(5, 7, dtype=torch.float64, device=DEVICE).index_add_(
+        0, flat, w.reshape(-1, 1) * target.repeat_interleave(4, dim=0))
+    want_wsum = torch.zeros(5, dtype=torch.float64, device=DEVICE).index_add_(0, flat, w.reshape(-1))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_wsum, want_wsum)
+
+
+def test_reference_decode_returns_the_promoted_dtype():
+    """The reference computes in promote_types(vals, weight), as the op returns (a bf16 vals must not
+    round an fp32 decoder to bf16)."""
+    idx, weight, vals, bias, _ = make(3, 2, 4, 5, torch.float32)
+    out = ref.sae_decode(idx, vals.bfloat16(), weight, bias)
+    assert out.dtype == sparsefuse.sae_decode(idx, vals.bfloat16(), weight, bias).dtype == torch.float32
+    assert_close(out, ref.sae_decode(idx, vals.bfloat16().double(), weight.double(), bias.double()),
+                 torch.float32, "reference decode")
+
+
 @pytest.mark.parametrize("op", list(OPS))
 def test_backward_twice_through_one_graph(op):
     """retain_graph: a second backward gives the same gradients (nothing saved is consumed).
@@ -469,11 +497,12 @@ def _good():
         (lambda a: a.update(target=a["target"][:2]), ValueError, r"target has shape \(2, 5\); expected \[4, 5\]"),
         (lambda a: a.update(target=a["target"].to("meta")), ValueError, r"target is on meta"),
         (lambda a: a.update(vals=None), TypeError, r"vals must be a tensor"),
+        (lambda a: a.update(target=None), TypeError, r"target must be a tensor"),
         (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
         (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
     ],
     ids=["rank", "idx-dtype", "K0", "F0", "w-dtype", "w-rank", "vals-shape", "bias-shape", "target-shape",
-         "device", "none", "idx-high", "idx-negative"],
+         "device", "none", "target-none", "idx-high", "idx-negative"],
 )
 @pytest.mark.parametrize("op", ["topk", "hierarchical"])
 def test_bad_input_errors(op, mutate, exc, match):

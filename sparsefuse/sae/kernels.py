@@ -21,8 +21,9 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
   atomics. Both run one program per (rows, D tile) with the D tile as the slow grid axis, so the
   programs in flight share one F x BLOCK_D slice of the decoder and of its gradient, and the
   gathers and atomics hit L2 (the whole F x D gradient is far larger than L2). Deterministic mode
-  stages the B*K rows and reuses the segmented sum instead, and so do 16-bit weights, whose rows
-  are staged in their own dtype (no fp32 buffer to zero and convert).
+  stages the B*K rows and reuses the segmented sum instead. So do bf16 weights when their B*K rows
+  fit in the bytes of the F x D fp32 buffer (B*K <= 2F), staged in bf16; otherwise a 16-bit weight's
+  gradient is accumulated in that fp32 buffer and converted at the end (``hierarchical_plan``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from .._validate import check_index_range
 from .reference import acc_dtype
 
 # Launch heuristics, in one place (H200 sweeps: scripts/tune_sae.py, numbers in benchmarks/NOTES.md).
-# A gather tile holds BLOCK_K x BLOCK_D elements in registers; two warps a row was best at every K.
+# A gather tile holds BLOCK_K x BLOCK_D <= _GATHER_TILE elements in registers (BLOCK_D stops at 16, so
+# K > 512 goes over); the row dot products (_gather_config) take at least two warps a row, best at every K.
 _GATHER_TILE = 8192
 _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 
@@ -54,7 +56,7 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
 
 def _decode_config(K: int, D: int, itemsize: int, loss: bool) -> dict:
     """The gather of ``_sae_decode_fwd_kernel``: BLOCK_K covers all K latents; tiles of 32 columns
-    (fewer for a large K, within the register budget) on a (row, column group) grid, so the gathers
+    (fewer for K > 256, keeping the tile within _GATHER_TILE up to K = 512) on a (row, column group) grid, so the gathers
     hit L2. The loss groups GROUP * BLOCK_D >= max(K, 128) columns per program, which keeps its
     per-group gv parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within B * (D + K) at any K.
 
@@ -319,7 +321,6 @@ def _hierarchical_sae_bwd_kernel(
     F,
     stride_wf,
     stride_wd,
-    scale,  # a further factor on g_ptr (1.0: c is folded into it on the host, in ACC precision)
     T0,  # first D tile of this launch (grid axis 1 counts from it)
     DC,  # WEIGHT_GRAD 3: columns per staged row (the chunk's width)
     HAS_BIAS: tl.constexpr,
@@ -334,8 +335,8 @@ def _hierarchical_sae_bwd_kernel(
     """The gradient of the loss with respect to v_j w_j is g * c * E_j, E_j = sum_{k>=j} e_k. Starting
     from the saved E_0, a forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
 
-    One program per (row, D tile), on the forward's grid: the programs resident together share one D
-    tile, so both the decoder reads and the atomics into the F x BLOCK_D slice of the gradient stay in
+    One program per (row, D tile), with the forward's axis order (rows fast, D tiles slow; the forward
+    takes BLOCK_B rows a program): the programs resident together share one D tile, so both the decoder reads and the atomics into the F x BLOCK_D slice of the gradient stay in
     L2. Each step takes CHUNK latents: their decoder rows are gathered together (CHUNK loads in flight
     rather than one), and the recurrence inside the chunk is two in-thread prefix sums,
     e_j = e_{j0-1} + cumsum(v w)_j and E_j = E_{j0} - (cumsum(e)_j - e_j).
@@ -361,7 +362,7 @@ def _hierarchical_sae_bwd_kernel(
         gc = tl.full([], 1.0, ACC)
         gs = gc
     else:
-        gc = tl.load(g_ptr).to(ACC) * scale
+        gc = tl.load(g_ptr).to(ACC)
         gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
         b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs
     b_s = tl.sum(b_s, axis=0)  # [BLOCK_D] s E_j, from j = 0
@@ -436,6 +437,8 @@ def _sae_weight_grad_kernel(
             if HAS_WSUM:
                 b_wsum += b_v
         b_acc += b_x
+    if not WEIGHTED:
+        b_wsum += (i_end - i_start).to(ACC)  # weight 1 an entry: the count
     if HAS_SCALE:
         b_acc *= tl.load(scale_ptr).to(ACC)
     tl.store(gw_ptr + i_f * stride_gw + o_d, b_acc.to(gw_ptr.dtype.element_ty), mask=m_d)
@@ -489,15 +492,14 @@ def _scale_cast_kernel(
     src_ptr,  # [N] ACC, contiguous
     dst_ptr,  # [N] out, contiguous
     g_ptr,  # [] device scalar
-    scale,
     N,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """dst = g * scale * src, converted to dst's dtype on the store: one read and one write."""
+    """dst = g * src, converted to dst's dtype on the store: one read and one write."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < N
-    gs = tl.load(g_ptr).to(ACC) * scale
+    gs = tl.load(g_ptr).to(ACC)
     tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
 
 
@@ -826,9 +828,11 @@ def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, determ
 
     It leaves every gradient unscaled, so it pays off only where the backward has a pass that can
     apply g * c on the way: the gv [B, K] scaling, the conversion of a 16-bit weight's fp32
-    buffer, or the segmented sum of staged rows in one column chunk. fp32 (and fp64) weights on the
-    atomic path have none: scaling their F x D gradient would cost a read and a write of it and a
-    second F x D buffer, more than the forward sweep it saves."""
+    buffer, or the segmented sum of staged rows in one column chunk. Weights in the accumulation
+    dtype on the atomic path (fp32, and fp64) have none: their atomics land in the output, and
+    scaling it would cost a read and a write of F x D and a second F x D buffer, more than the
+    forward sweep it saves. fp32 weights with an fp64 input do have one (their fp64 buffer is
+    converted), so they fuse."""
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
     return chunk >= n_tiles and not (mode == 1 and weight_dtype == acc)
 
@@ -873,7 +877,7 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
     _launch(_hierarchical_sae_bwd_kernel, grid,
         indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, None, stage, gv,
-        row_loss, B, K, D, F, *_weight_strides(weight), 1.0, 0, D,
+        row_loss, B, K, D, F, *_weight_strides(weight), 0, D,
         HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=_tl_dtype(acc), **cfg,
     )
     return row_loss.sum() / (B * K * D), etot, gv, stage
@@ -896,7 +900,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
         grad_weight = torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
         n, block = stage.numel(), 1024 if INTERPRET else 4096
         if n:
-            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, gc, 1.0, n,
+            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, gc, n,
                     ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
     else:
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
@@ -937,7 +941,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         gv = (torch.empty(n_tiles, B, K, device=vals.device, dtype=acc) if deterministic
               else torch.zeros(B, K, device=vals.device, dtype=acc))
         args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, gc, buf, gv, None,
-                B, K, D, F, *_weight_strides(weight), 1.0)
+                B, K, D, F, *_weight_strides(weight))
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
                     ACC=_tl_dtype(acc), **cfg)
         for t0 in range(0, n_tiles, chunk):

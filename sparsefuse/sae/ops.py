@@ -19,7 +19,7 @@ from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from . import kernels, reference
 
 
-def _check_inputs(indices, weight, vals, bias=None, target=None):
+def _check_inputs(indices, weight, vals, bias):
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     F, D = weight.shape
     dev = weight.device
@@ -31,8 +31,12 @@ def _check_inputs(indices, weight, vals, bias=None, target=None):
         raise ValueError(f"weight must have at least one row (F >= 1), got shape {tuple(weight.shape)}")
     check_tensor("vals", vals, shape=(B, K), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("bias", bias, shape=(D,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
-    if target is not None:
-        check_tensor("target", target, shape=(B, D), dtypes=FLOAT_DTYPES, device=dev)
+
+
+def _check_loss_inputs(indices, weight, vals, bias, target):
+    _check_inputs(indices, weight, vals, bias)
+    check_tensor("target", target, shape=(indices.shape[0], weight.shape[1]), dtypes=FLOAT_DTYPES,
+                 device=weight.device)
 
 
 def _use_deterministic(deterministic: Optional[bool]) -> bool:
@@ -89,7 +93,8 @@ def sae_decode(indices: Tensor, vals: Tensor, weight: Tensor, bias: Optional[Ten
         bias: ``[D]`` decoder bias, or None.
 
     Returns:
-        ``[B, D]`` in ``promote_types(vals.dtype, weight.dtype)``, accumulated in float32.
+        ``[B, D]`` in ``promote_types(vals.dtype, weight.dtype)``, accumulated in float32 (float64
+        if any input is float64).
         Differentiable in ``vals``, ``weight`` and ``bias``; the weight gradient is a deterministic
         segmented sum (no atomics).
     """
@@ -285,7 +290,7 @@ def topk_sae_loss(
         The decoder is read once in the forward pass; the backward reuses the saved residual.
     """
     del deterministic
-    _check_inputs(indices, weight, vals, bias, target)
+    _check_loss_inputs(indices, weight, vals, bias, target)
     return _topk_op(indices, weight, vals, bias, target)[0]
 
 
@@ -449,10 +454,11 @@ def hierarchical_sae_loss(
     come from DRAM once per step instead of twice (the second sweep finds them in L1 / L2). The
     weight-gradient buffer (or the staged rows: B*K*D floats in deterministic fp32) is then held
     from the forward to the backward, so several such losses summed before one backward hold one
-    each. fp32 weights on the default atomic path keep the two-pass split. Compute a loss you will
+    each. Weights in the accumulation dtype (fp32, or fp64) on the default atomic path keep the
+    two-pass split: their atomics land in the output itself. Compute a loss you will
     not differentiate under ``torch.no_grad()``, or it pays for the backward's sweep.
     """
-    _check_inputs(indices, weight, vals, bias, target)
+    _check_loss_inputs(indices, weight, vals, bias, target)
     deterministic = _use_deterministic(deterministic)
     if _fuse_hierarchical(indices, weight, vals, bias, target, deterministic):
         return _hier_grads_op(indices, weight, vals, bias, target, weight.requires_grad, deterministic)[0]
@@ -479,8 +485,9 @@ def _project_op(grad: Tensor, weight: Tensor, eps: float) -> None:
 
 
 def normalize_rows_(weight: Tensor, eps: float = 1e-12) -> Tensor:
-    """In place ``weight[f] /= max(||weight[f]||, eps)`` for every row of ``[F, D]`` ``weight``; one
-    read and one write of it (norm in float32, float64 for float64). Returns ``weight``."""
+    """In place ``weight[f] /= max(||weight[f]||, eps)`` for every row of ``[F, D]`` ``weight``: two
+    reads of each row (the second mostly from L2) and one write (norm in float32, float64 for
+    float64). Returns ``weight``."""
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     _normalize_op(weight, float(eps))
     return weight
@@ -489,7 +496,8 @@ def normalize_rows_(weight: Tensor, eps: float = 1e-12) -> Tensor:
 def remove_parallel_component_(grad: Tensor, weight: Tensor, eps: float = 1e-12) -> Tensor:
     """In place ``grad[f] -= (grad[f] . u_f) u_f`` with ``u_f = weight[f] / max(||weight[f]||, eps)``:
     the gradient of a row kept at unit norm loses its radial part. ``grad`` and ``weight`` are
-    ``[F, D]``; one read of each and one write of ``grad``. Returns ``grad``."""
+    ``[F, D]``; two reads of each row of both (the second mostly from L2) and one write of ``grad``.
+    Returns ``grad``."""
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("grad", grad, shape=tuple(weight.shape), dtypes=FLOAT_DTYPES, device=weight.device)
     _project_op(grad, weight, float(eps))

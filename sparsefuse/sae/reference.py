@@ -26,9 +26,11 @@ def acc_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
 
 
 def sae_decode(indices, vals, weight, bias=None):
-    """recon[b] = bias + sum_k vals[b, k] * weight[indices[b, k]]  ->  [B, D] in the promoted dtype."""
-    out = torch.einsum("bk,bkd->bd", vals, weight[indices.long()].to(vals.dtype))
-    return out if bias is None else out + bias
+    """recon[b] = bias + sum_k vals[b, k] * weight[indices[b, k]]  ->  [B, D] in
+    ``promote_types(vals.dtype, weight.dtype)``, the dtype it is computed in."""
+    dt = torch.promote_types(vals.dtype, weight.dtype)
+    out = torch.einsum("bk,bkd->bd", vals.to(dt), weight[indices.long()].to(dt))
+    return out if bias is None else out + bias.to(dt)
 
 
 def topk_sae_loss(indices, weight, vals, bias, target):
