@@ -4,6 +4,10 @@ CPU tier: the Triton kernels under the interpreter (conftest), float32 and float
 GPU tier (-m gpu): bfloat16 and float16, real vocabulary sizes, torch.compile.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -145,6 +149,46 @@ def test_tail_is_nonnegative(seed):
     assert (tok >= -1e-5).all(), tok
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tail_when_the_student_puts_all_its_mass_on_the_slots(dtype):
+    """V = K: Q = 1, so 1 - Q is clamped to the smallest normal number of the accumulation dtype, as
+    in the reference (float64 once used float32's: a tail term of 17.1 instead of 141.4 per token)."""
+    z = torch.randn(3, 1, dtype=dtype, device=DEVICE)
+    ids = torch.zeros(3, 1, dtype=torch.long, device=DEVICE)
+    t = torch.full((3, 1), 0.8, dtype=dtype, device=DEVICE).log()
+    got = sparsefuse.topk_kd_loss_from_logits(z, ids, t, normalize="tail")
+    want, _ = ref.topk_kd_loss_from_logits(z, ids, t, normalize="tail")
+    assert_close(got, want, dtype, "loss")
+    h, w = torch.randn(3, 4, dtype=dtype, device=DEVICE), torch.randn(1, 4, dtype=dtype, device=DEVICE)
+    got = sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, normalize="tail")
+    want, _ = ref.topk_kd_loss_from_hidden(h, w, ids, t, normalize="tail")
+    assert_close(got, want, dtype, "hidden loss")
+
+
+@pytest.mark.parametrize("normalize", ["topk", "full"])
+def test_from_hidden_float64_backward_rescale(normalize):
+    """An incoming gradient of 1 + 2^-30 is not 1 in float64: the backward must apply it."""
+    d = make(5, 3, 23, dtype=torch.float64)
+    gl = torch.tensor(1 + 2**-30, dtype=torch.float64, device=DEVICE)
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    kw = dict(normalize=normalize, lm_head_bias=b)
+    got = torch.autograd.grad(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw), [h, w, b], gl)
+    want = torch.autograd.grad(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], [h, w, b], gl)
+    compare(got, want, torch.float64, ["grad_hidden", "grad_weight", "grad_bias"])
+
+
+@pytest.mark.parametrize("normalize", NORMS)
+def test_from_hidden_strided_bias(normalize):
+    d = make(5, 3, 23, dtype=torch.float64)
+    b = leaf(torch.randn(2 * 23, dtype=torch.float64, device=DEVICE))
+    h = leaf(d["h"])
+    got = grads(sparsefuse.topk_kd_loss_from_hidden(h, d["w"], d["ids"], d["t"], d["m"], normalize=normalize,
+                                                    lm_head_bias=b[::2]), [h, b])
+    want = grads(ref.topk_kd_loss_from_hidden(h, d["w"], d["ids"], d["t"], d["m"], normalize=normalize,
+                                              lm_head_bias=b[::2])[0], [h, b])
+    compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_bias"])
+
+
 @pytest.mark.parametrize("normalize", NORMS)
 def test_gradcheck_temperature(normalize):
     """fp64 finite differences of the returned loss (T**2 included) at T != 1: the gradient is the
@@ -235,16 +279,32 @@ def test_batched_shapes_and_int32_ids():
     assert_close(loss, want, torch.float32, "loss")
 
 
-def test_retain_graph_backward_twice_from_hidden():
-    """Gradients are computed in the forward and rescaled in the backward: twice must still be exact."""
+@pytest.mark.parametrize("normalize", ["topk", "full"])
+def test_retain_graph_backward_twice_from_hidden(normalize):
+    """Gradients are computed in the forward and rescaled in the backward: a second backward must
+    be exact and leave the gradients returned by the first unchanged."""
     d = make(6, 3, 29, dtype=torch.float64)
-    h, w = leaf(d["h"]), leaf(d["w"])
-    loss = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=4)
-    g1 = torch.autograd.grad(3 * loss, [h, w], retain_graph=True)
-    g1 = [x.clone() for x in g1]
-    g2 = torch.autograd.grad(loss, [h, w])
-    for a, b in zip(g1, g2):
-        assert_close(a, 3 * b, torch.float64, "grad")
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    loss = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize, lm_head_bias=b,
+                                               chunk_size=4)
+    g1 = torch.autograd.grad(3 * loss, [h, w, b], retain_graph=True)
+    first = [x.clone() for x in g1]
+    g2 = torch.autograd.grad(loss, [h, w, b], retain_graph=True)
+    g3 = torch.autograd.grad(2 * loss, [h, w, b])
+    for x1, x0, x2, x3 in zip(g1, first, g2, g3):
+        assert torch.equal(x1, x0)
+        assert_close(x1, 3 * x2, torch.float64, "grad")
+        assert_close(x3, 2 * x2, torch.float64, "grad")
+    # .backward() accumulates into .grad, which may share storage with what the first backward returned
+    for weight in (0.0, 3.0):
+        h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+        loss = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize,
+                                                   lm_head_bias=b, chunk_size=4)
+        loss.backward(retain_graph=True)
+        first = [x.grad.clone() for x in (h, w, b)]
+        (loss * weight).backward()
+        for x, x0 in zip((h, w, b), first):
+            assert_close(x.grad, (1 + weight) * x0, torch.float64, "accumulated grad")
 
 
 # --- API, compile, opcheck, errors ---------------------------------------------------------------
@@ -270,8 +330,23 @@ def test_module():
                                                temperature=2.0)
     assert_close(got, want, torch.float32, "hidden")
     zk = d["z"][:, :3]
-    assert_close(sparsefuse.TopKKDLoss(normalize="topk")(zk, d["t"], None, d["m"]),
-                 sparsefuse.topk_kd_loss(zk, d["t"], d["m"]), torch.float32, "gathered")
+    want, want_tok = sparsefuse.topk_kd_loss(zk, d["t"], d["m"], return_per_token=True)
+    crit = sparsefuse.TopKKDLoss(normalize="topk")
+    for got in (crit(zk, d["t"], d["m"]), crit(zk, d["t"], None, d["m"]),
+                crit(zk, target_logprobs=d["t"], target_mask=d["m"])):
+        assert_close(got, want, torch.float32, "gathered")
+    assert_close(crit(zk, d["t"]), sparsefuse.topk_kd_loss(zk, d["t"]), torch.float32, "gathered, no mask")
+    got, tok = sparsefuse.TopKKDLoss(normalize="topk", return_per_token=True)(zk, d["t"], d["m"])
+    assert_close(got, want, torch.float32, "gathered")
+    assert_close(tok, want_tok, torch.float32, "per token")
+    got, tok = sparsefuse.TopKKDLoss(normalize="topk", return_per_token=True)(d["z"], d["ids"], d["t"], d["m"])
+    want, want_tok = sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="topk",
+                                                         return_per_token=True)
+    assert_close(tok, want_tok, torch.float32, "per token, logits")
+    with pytest.raises(ValueError, match="gathered logits support normalize='topk' only"):
+        mod(zk, d["t"], d["m"])
+    with pytest.raises(TypeError, match="target_token_ids has dtype float32"):
+        crit(d["z"], d["ids"].float(), d["t"], d["m"])
 
 
 def test_compile_fullgraph():
@@ -354,9 +429,24 @@ def test_index_out_of_range_without_checks_gives_nan():
     sparsefuse.set_index_checks(False)
     try:
         loss = sparsefuse.topk_kd_loss_from_logits(d["z"], ids, d["t"], d["m"])
+        assert torch.isnan(loss)
+        # "topk" from hidden states: the token's loss and grad_hidden are NaN; the bad slot adds
+        # nothing to the weight and bias gradients (the same as masking it out)
+        h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+        kw = dict(normalize="topk", reduction="sum")
+        loss, tok = sparsefuse.topk_kd_loss_from_hidden(h, w, ids, d["t"], d["m"], lm_head_bias=b,
+                                                        return_per_token=True, **kw)
+        gh, gw, gb = torch.autograd.grad(loss, [h, w, b])
+        m = d["m"].clone()
+        m[3, 0] = False
+        h2, w2, b2 = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+        gh2, gw2, gb2 = torch.autograd.grad(sparsefuse.topk_kd_loss_from_hidden(h2, w2, ids, d["t"], m,
+                                                                                lm_head_bias=b2, **kw), [h2, w2, b2])
     finally:
         sparsefuse.set_index_checks(None)
-    assert torch.isnan(loss)
+    assert torch.isnan(loss) and torch.isnan(tok[3]) and torch.isfinite(torch.cat([tok[:3], tok[4:]])).all()
+    assert torch.isnan(gh[3]).all() and torch.equal(gh[:3], gh2[:3]) and torch.equal(gh[4:], gh2[4:])
+    assert torch.equal(gw, gw2) and torch.equal(gb, gb2)
 
 
 def test_bad_inputs():
@@ -382,6 +472,77 @@ def test_bad_inputs():
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, ce_weight=1.0)
     with pytest.raises(ValueError, match=r"hidden has shape \(5, 12\); expected \[\.\.\., 11\]"):
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"][:, :11], ids, t, m)
+    with pytest.raises(TypeError, match="lm_head_bias has dtype float64; expected one of float32"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, lm_head_bias=d["b"].double())
+
+
+def test_missing_targets_are_named():
+    d = make(5, 3, 37, dtype=torch.float32)
+    z, ids, t, m = d["z"], d["ids"], d["t"], d["m"]
+    with pytest.raises(TypeError, match="target_token_ids must be a tensor, got None"):
+        sparsefuse.topk_kd_loss_from_logits(z, None, t, m)
+    with pytest.raises(TypeError, match="target_token_ids must be a tensor, got None"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], None, t, m)
+    with pytest.raises(TypeError, match="target_logprobs must be a tensor, got None"):
+        sparsefuse.topk_kd_loss_from_logits(z, ids, None, m)
+    with pytest.raises(TypeError, match="target_logprobs must be a tensor, got None"):
+        sparsefuse.topk_kd_loss(z[:, :3], None, m)
+
+
+def test_gathered_needs_a_k_dimension():
+    with pytest.raises(ValueError, match=r"target_logprobs must end in a K >= 1 dimension, got shape \(3, 0\)"):
+        sparsefuse.topk_kd_loss(torch.randn(3, 0), torch.randn(3, 0))
+    with pytest.raises(ValueError, match=r"target_logprobs must end in a K >= 1 dimension, got shape \(\)"):
+        sparsefuse.topk_kd_loss(torch.randn(()), torch.randn(()))
+
+
+def test_num_items_in_batch_is_checked():
+    d = make(5, 3, 37, dtype=torch.float32)
+    args = (d["z"], d["ids"], d["t"], d["m"])
+    with pytest.raises(ValueError, match=r"num_items_in_batch must hold one element, got shape \(2,\)"):
+        sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=torch.tensor([3.0, 4.0]))
+    with pytest.raises(ValueError, match="num_items_in_batch is on meta but the other inputs are on"):
+        sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=torch.tensor(3.0, device="meta"))
+    for bad in (0, -2.0, float("nan"), "7"):
+        with pytest.raises(ValueError, match="num_items_in_batch must be a positive number or a one-element tensor"):
+            sparsefuse.topk_kd_loss(d["z"][:, :3], d["t"], d["m"], num_items_in_batch=bad)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"], reduction="bogus",
+                                            num_items_in_batch=7)
+    one = torch.ones(1, 1, device=DEVICE)  # any one-element shape will do
+    got = sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=7 * one)
+    assert_close(got, sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=7), torch.float32, "items")
+
+
+def test_cpu_reference_path_raises_the_same_index_error():
+    """Without TRITON_INTERPRET, CPU tensors take the PyTorch reference: the ops range-check the ids
+    and labels before either implementation runs, so the error is the documented IndexError."""
+    code = r"""
+import pytest, torch, sparsefuse, sparsefuse._registry as r
+assert not r.INTERPRET
+z, h, w = torch.randn(2, 5), torch.randn(2, 3), torch.randn(5, 3)
+ids, t = torch.tensor([[0, 5], [1, 2]]), torch.zeros(2, 2)
+with pytest.raises(IndexError, match=r"target_token_ids holds 5, outside \[0, 5\)"):
+    sparsefuse.topk_kd_loss_from_logits(z, ids, t)
+for normalize in ("topk", "full"):
+    with pytest.raises(IndexError, match=r"target_token_ids holds 5, outside \[0, 5\)"):
+        sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, normalize=normalize)
+with pytest.raises(IndexError, match=r"labels holds 7, outside \[0, 5\)"):
+    sparsefuse.topk_kd_loss_from_hidden(h, w, ids % 5, t, labels=torch.tensor([7, -100]), ce_weight=1.0)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_profile_topk_stages_run(monkeypatch):
+    """``python -m sparsefuse.kd.profile`` (GPU) calls kernels by name: run its "topk" stages once on
+    tiny inputs, timing stubbed out, so a renamed kernel fails here."""
+    from sparsefuse.kd import profile
+
+    monkeypatch.setattr(profile, "do_bench", lambda fn, **kw: (fn(), 0.0)[1])
+    d = make(3, 2, 20, H=8, dtype=torch.float32)
+    profile.topk_stages(d["h"], d["w"], d["ids"], d["t"], d["m"])
 
 
 # --- GPU tier -------------------------------------------------------------------------------------

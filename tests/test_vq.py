@@ -185,6 +185,30 @@ def test_batch_statistics():
     assert_close(s, want_s[0], torch.float32, "s")
 
 
+def test_batch_statistics_bad_inputs():
+    x, codes, *_ = make(7, 6, 5)
+    with pytest.raises(TypeError, match="x must be a tensor, got None"):
+        batch_statistics(None, codes, 6)
+    with pytest.raises(TypeError, match="codes must be a tensor, got None"):
+        batch_statistics(x, None, 6)
+    with pytest.raises(ValueError, match=r"x must be \[B, D\] or \[L, B, D\]"):
+        batch_statistics(x[:, 0], codes, 6)
+    with pytest.raises(ValueError, match="codes has shape"):
+        batch_statistics(x, codes[:5], 6)
+    with pytest.raises(TypeError, match="codes has dtype float32"):
+        batch_statistics(x, codes.float(), 6)
+    with pytest.raises(ValueError, match="codes is on meta"):
+        batch_statistics(x, codes.to("meta"), 6)
+    with pytest.raises(ValueError, match="num_codes must be at least 1"):
+        batch_statistics(x, codes, 0)
+    sparsefuse.set_index_checks(True)
+    try:
+        with pytest.raises(IndexError, match=r"codes holds 6, outside \[0, 6\)"):
+            batch_statistics(x, torch.full_like(codes, 6), 6)
+    finally:
+        sparsefuse.set_index_checks(None)
+
+
 def _workspace_views(ws, L, K, D):
     """(sums, counts slot the next update adds into) of an EMA workspace, which must both be zero."""
     LK, LKD = L * K, L * K * D
@@ -327,6 +351,64 @@ def test_ema_update_bad_inputs():
         vq_ema_update(x, codes, *state[:3], semantics="active", restart_after_steps=2)
     with pytest.raises(ValueError, match="must be contiguous"):
         vq_ema_update(x, codes, state[0].T.contiguous().T, *state[1:])
+
+
+def test_ema_update_generator_device_checked():
+    """A generator of another device type than the state is refused by name (a CPU generator with
+    CUDA state used to fail inside the key draw: "CPU Generator does not use offset"). On a CPU-only
+    machine the check is exercised with meta state; the GPU tier runs the CUDA case."""
+    x, codes, *state = (t.to("meta") for t in make(8, 5, 4))
+    with pytest.raises(ValueError, match="generator is on cpu but the codebook is on meta"):
+        vq_ema_update(x, codes, *state, generator=torch.Generator())
+
+
+def _assert_nan_and_close(got, want, name):
+    """NaN exactly where ``want`` is NaN, the rest close to it (assert_close skips tensors with NaN)."""
+    bad = want.isnan()
+    assert torch.equal(got.isnan(), bad), f"{name}: NaN at {got.isnan().nonzero().tolist()}"
+    assert_close(got[~bad], want[~bad], torch.float32, name)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_unchecked_out_of_range_codes_poison_with_nan(semantics, deterministic):
+    """With index checks off, codes 7 and -1 (K = 4) poison codes 3 and 0: their batch count and
+    sums are NaN, they count as used, and their cluster_size, embed_sum and codebook row are NaN;
+    with "laplace" the NaN total also reaches every codebook row. Codes 1 (used) and 2 (unused)
+    are exact in "active"; their N and S are exact in "laplace"."""
+    from sparsefuse.vq import kernels
+
+    B, K, D = 5, 4, 3
+    x, _, *state = make(B, K, D)
+    codes = torch.tensor([0, 1, 1, 7, -1], device=x.device)
+    got = [t.clone() for t in state]
+    sparsefuse.set_index_checks(False)
+    try:
+        vq_ema_update(x, codes, *got, decay=0.9, semantics=semantics, deterministic=deterministic)
+    finally:
+        sparsefuse.set_index_checks(None)
+    # the documented behaviour: the reference given the valid rows' statistics, NaN for codes 0 and 3
+    n, s = reference.ema_accumulate(x[None, :3].double(), codes[None, :3], K)
+    n[:, [0, 3]], s[:, [0, 3]] = float("nan"), float("nan")
+    want = [t[None].double() if t.is_floating_point() else t[None].clone() for t in state]
+    reference.ema_apply(x[None].double(), *want, n, s, reference.draw_key(1, x.device), decay=0.9,
+                        active=semantics == "active", eps=1e-5, threshold=0.0, reset=0.0, restart_after=0,
+                        world=1, rank=0)
+    for name, a, b in zip(("codebook", "cluster_size", "embed_sum"), got, want):
+        _assert_nan_and_close(a, b[0], name)
+    assert torch.equal(got[3], want[3][0])
+    assert got[1][[0, 3]].isnan().all() and got[2][[0, 3]].isnan().all() and (got[3][[0, 3]] == 0).all()
+    assert got[0].isnan().all() if semantics == "laplace" else got[0][[0, 3]].isnan().all()
+    if not deterministic:  # the cached workspace is left clean for the next update
+        ws = kernels.ema_workspace(got[0], 1, K, D)
+        for part in _workspace_views(ws, 1, K, D):
+            assert torch.count_nonzero(part) == 0
+
+
+def test_ema_update_float64_x():
+    x, codes, *state = make(9, 5, 4, dtype=torch.float64)
+    got, want = run_both(x, codes, state, semantics="laplace")
+    assert_state(got, want)
 
 
 def test_ema_ops_opcheck():
@@ -478,6 +560,53 @@ def test_quantize_bad_inputs():
         quantize(x[:, :2], codes, c)
     with pytest.raises(TypeError, match="codes has dtype int32"):
         quantize(x, codes.int(), c)
+    for checks in (None, True):  # CPU tensors are checked by default; True checks everywhere
+        sparsefuse.set_index_checks(checks)
+        try:
+            with pytest.raises(IndexError, match=r"codes holds 1000, outside \[0, 5\)"):
+                quantize(x, torch.where(codes == codes[0], 1000, codes), c)
+            with pytest.raises(IndexError, match=r"codes holds -1, outside \[0, 5\)"):
+                quantize(x, torch.where(codes == codes[0], -1, codes), c)
+        finally:
+            sparsefuse.set_index_checks(None)
+
+
+@pytest.mark.parametrize("bad", [1000, -1])
+def test_quantize_unchecked_out_of_range_codes_poison_with_nan(bad):
+    """With index checks off a bad code is never dereferenced: its row of out and of grad_x, and
+    the loss, are NaN; the other rows are exact."""
+    x, codes, c, *_ = make(8, 5, 4)
+    codes[3] = bad
+    xg = x.clone().requires_grad_()
+    sparsefuse.set_index_checks(False)
+    try:
+        out, loss = quantize(xg, codes, c, 0.5)
+    finally:
+        sparsefuse.set_index_checks(None)
+    (gx,) = torch.autograd.grad(out.sum() + loss, xg)
+    ok = torch.arange(8, device=x.device) != 3
+    assert out[3].isnan().all() and loss.isnan() and gx[3].isnan().all()
+    assert torch.equal(out[ok].detach(), c[codes[ok]])
+    assert torch.equal(gx[ok].isnan(), torch.zeros_like(gx[ok], dtype=torch.bool))
+
+
+def test_quantize_loss_is_that_of_the_rounded_out():
+    """16-bit x with an fp32 codebook: out is the row rounded to x's dtype, and the loss is
+    beta * mean((x - out)^2) of that out (the backward's derivative), not of the unrounded row.
+    The codebook sits just above float16 values (within half an ulp) and x - out = -out / 2, so
+    the unrounded loss would be about 2^-10 too large (relative)."""
+    B, K, D = 6, 3, 5
+    _, codes, c, *_ = make(B, K, D, used=K)
+    c16 = c.half()
+    c32 = c16.float() * (1 + 2.0 ** -12)  # rounds back to c16
+    x = (c16[codes].float() * 0.5).half().requires_grad_()
+    for out, loss in (quantize(x, codes, c32, 0.7), reference.quantize_fwd(x.detach(), codes, c32, 0.7)):
+        assert torch.equal(out.detach(), c16[codes])
+        want = 0.7 * (x.detach().double() - out.detach().double()).square().mean()
+        assert_close(loss, want, torch.float32, "loss")
+    out, loss = quantize(x, codes, c32, 0.7)
+    (gx,) = torch.autograd.grad(loss, x)
+    assert_close(gx, 1.4 * (x.detach().double() - c16[codes].double()) / (B * D), torch.float16, "grad")
 
 
 # --- modules ---------------------------------------------------------------------------------------------
@@ -520,6 +649,21 @@ def test_vector_quantizer_kmeans_and_state_dict():
     vq.eval()
     clone.eval()
     assert torch.equal(vq(x)[1], clone(x)[1])
+
+
+def test_kmeans_init_needs_rows():
+    """k-means on an empty batch is refused by name (it crashed with an IndexError); with B < K the
+    starting centroids repeat rows (code k starts where code k - B does)."""
+    from sparsefuse.vq.modules import _kmeans
+
+    vq = VectorQuantizer(4, 3, kmeans_init=True).to(DEVICE)
+    with pytest.raises(ValueError, match="x must have at least one row"):
+        vq(torch.randn(0, 4, device=DEVICE))
+    x = torch.randn(2, 4, device=DEVICE)
+    c, _ = _kmeans(x, 5, 0, cosine=False, precision="exact", generator=torch.Generator().manual_seed(0),
+                   process_group=None)
+    assert torch.equal(c[2:4], c[:2]) and torch.equal(c[4], c[0])
+    assert torch.equal((c[:2, None] == x[None]).all(-1).sum(0), torch.ones(2, dtype=torch.long, device=DEVICE))
 
 
 def test_residual_vq_uses_one_multi_level_update():
@@ -664,6 +808,13 @@ def test_gpu_graph_capture_and_eager_updates(semantics):
         torch.cuda.synchronize()
         for st in (graph_state, eager_state, side_state):
             assert_state(st, want, scale=5)
+
+
+@pytest.mark.gpu
+def test_gpu_generator_device_checked():
+    x, codes, *state = make(64, 16, 8)
+    with pytest.raises(ValueError, match="generator is on cpu but the codebook is on cuda"):
+        vq_ema_update(x, codes, *state, generator=torch.Generator())
 
 
 @pytest.mark.gpu

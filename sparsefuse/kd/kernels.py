@@ -27,7 +27,6 @@ import triton.language as tl
 
 from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
-from .._validate import check_index_range, index_checks_enabled
 from .reference import IGNORE_INDEX, acc_dtype
 
 # Launch heuristics, in one place. A row kernel streams BLOCK_V logits per iteration.
@@ -69,12 +68,13 @@ def _lse_step(b_m, b_l, b_x):
 
 
 @triton.jit
-def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr):
+def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr, ACC: tl.constexpr):
     """The math core, on [R, BLOCK_K] tiles of R tokens.
 
     b_s: student s = z / T at the slots; b_t: teacher log-probs; m_valid: unmasked, in-range slots;
-    b_lse: [R] logsumexp of s over the vocab (ignored for "topk"). Returns (loss [R] without T**2,
-    A [R], corr [R, BLOCK_K]) as documented in reference.py; zero for tokens with no valid slot.
+    b_lse: [R] logsumexp of s over the vocab (ignored for "topk"); ACC: their dtype. Returns
+    (loss [R] without T**2, A [R], corr [R, BLOCK_K]) as documented in reference.py; zero for
+    tokens with no valid slot.
     """
     b_p = tl.where(m_valid, tl.exp(b_t), 0.0)  # [R, BLOCK_K]
     b_P = tl.sum(b_p, 1)  # [R]
@@ -96,7 +96,10 @@ def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr):
             b_corr = -b_p
         else:
             b_d = b_lse_k - b_lse  # log Q <= 0
-            b_omq = tl.maximum(-_expm1(b_d), 1.1754943508222875e-38)
+            if ACC == tl.float64:  # 1 - Q clamped to the smallest normal number of ACC (finfo.tiny)
+                b_omq = tl.maximum(-_expm1(b_d), 2.2250738585072014e-308)
+            else:
+                b_omq = tl.maximum(-_expm1(b_d), 1.1754943508222875e-38)
             b_omp = tl.maximum(1.0 - b_P, 0.0)
             b_log_omp = tl.log(tl.where(b_omp > 0, b_omp, 1.0))
             b_loss += tl.where(b_omp > 0, b_omp * (b_log_omp - tl.log(b_omq)), 0.0)
@@ -148,7 +151,7 @@ def _kd_topk_kernel(
     b_s = tl.load(z_ptr + o_2, mask=m_2, other=0).to(ACC) * inv_t
     b_t = tl.load(t_ptr + o_2, mask=m_2, other=0).to(ACC)
     m_valid = m_2 & (tl.load(m_ptr + o_2, mask=m_2, other=0) != 0)
-    b_loss, b_A, b_corr = _kd_slot_terms(b_s, b_t, m_valid, tl.zeros([BLOCK_N], dtype=ACC), 0)
+    b_loss, b_A, b_corr = _kd_slot_terms(b_s, b_t, m_valid, tl.zeros([BLOCK_N], dtype=ACC), 0, ACC)
     if IS_BWD:
         b_f = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(gl_ptr).to(ACC) * tl.load(scale_ptr).to(ACC)
         if HAS_GT:
@@ -168,7 +171,7 @@ def _kd_row_fwd_kernel(
     lab_ptr,  # [N] int labels (HAS_CE)
     tok_ptr,  # [N] ACC out: per-token KD loss (T**2 included)
     flag_ptr,  # [N] ACC out: 1 if the token has an unmasked slot
-    lse_ptr,  # [N] ACC out: logsumexp_j s_j (NEED_LSE)
+    lse_ptr,  # [N] ACC out: logsumexp_j s_j (NORMALIZE > 0)
     a_ptr,  # [N] ACC out: dense coefficient A
     corr_ptr,  # [N, K] ACC out: slot corrections
     ce_ptr,  # [N] ACC out: per-token cross-entropy (HAS_CE)
@@ -210,7 +213,7 @@ def _kd_row_fwd_kernel(
     o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     b_s = tl.load(p_z + b_ids, mask=m_valid, other=0).to(ACC) * inv_t  # [BLOCK_K]
     b_lse_r = tl.zeros([1], dtype=ACC) + b_lse
-    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], b_lse_r, NORMALIZE)
+    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], b_lse_r, NORMALIZE, ACC)
     b_loss = tl.sum(b_loss, 0) * (temperature * temperature)
     b_loss = tl.where(tl.sum(m_bad.to(tl.int32), 0) > 0, float("nan"), b_loss)
     tl.store(tok_ptr + i_n, b_loss)
@@ -368,7 +371,7 @@ def _kd_hidden_topk_kernel(
     if HAS_BIAS:
         b_z += tl.load(b_ptr + b_ids, mask=m_valid, other=0).to(ACC)
     b_s = b_z * inv_t
-    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], tl.zeros([1], dtype=ACC), 0)
+    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], tl.zeros([1], dtype=ACC), 0, ACC)
     b_loss = tl.sum(b_loss, 0) * (temperature * temperature)
     any_bad = tl.sum(m_bad.to(tl.int32), 0) > 0
     tl.store(tok_ptr + i_n, tl.where(any_bad, float("nan"), b_loss))
@@ -503,28 +506,17 @@ def _kd_rescale_kernel(
     BLOCK: tl.constexpr,
 ):
     """x *= g / applied; nothing to do (and no memory traffic) when the two are equal."""
-    b_f = tl.load(g_ptr).to(tl.float32) / tl.load(applied_ptr).to(tl.float32)
+    b_f = tl.load(g_ptr).to(ACC) / tl.load(applied_ptr).to(ACC)
     if b_f != 1.0:
         o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = o < M
         b_x = tl.load(x_ptr + o, mask=m, other=0)
-        b_fx = tl.load(g_ptr).to(ACC) / tl.load(applied_ptr).to(ACC)
-        tl.store(x_ptr + o, (b_x.to(ACC) * b_fx).to(x_ptr.dtype.element_ty), mask=m)
+        tl.store(x_ptr + o, (b_x.to(ACC) * b_f).to(x_ptr.dtype.element_ty), mask=m)
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers. Inputs are shape/dtype-checked by the public functions (ops.py); these make the small
-# operands contiguous, check the index range (switchable, one host sync), allocate and launch.
-
-
-def _check_ids(ids, mask, V):
-    if index_checks_enabled(ids):
-        check_index_range("target_token_ids", torch.where(mask != 0, ids, torch.zeros_like(ids)), V)
-
-
-def _check_labels(labels, V):
-    if labels is not None and index_checks_enabled(labels):
-        check_index_range("labels", torch.where(labels != IGNORE_INDEX, labels, torch.zeros_like(labels)), V)
+# Launchers. Inputs are shape/dtype-checked by the public functions and index-range-checked by the
+# ops (ops.py); these make the small operands contiguous, allocate and launch.
 
 
 def _u8(mask):
@@ -620,7 +612,6 @@ def logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, nu
     """(loss, tok [N], scale [2], lse [N], A [N], corr [N, K]) for full logits z [N, V]."""
     N, V = z.shape
     K = ids.shape[1]
-    _check_ids(ids, mask, V)
     acc = acc_dtype(z, t)
     dev = z.device
     tok, flags, lse, A = (torch.empty(N, device=dev, dtype=acc) for _ in range(4))
@@ -676,15 +667,15 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
     V = weight.shape[0]
     K = ids.shape[1]
     dev = hidden.device
-    _check_ids(ids, mask, V)
     has_ce = labels is not None and ce_weight != 0.0
     if has_ce:
-        _check_labels(labels, V)
         labels = labels.contiguous()
     else:
         labels = None
     acc = acc_dtype(hidden, weight, t)
     hidden, ids, t, m8 = hidden.contiguous(), ids.contiguous(), t.contiguous(), _u8(mask)
+    if bias is not None:
+        bias = bias.contiguous()  # the gather kernel reads b_ptr + id
     need_grad = need_gh or need_gw or need_gb
     gh = torch.empty(N, H, device=dev, dtype=hidden.dtype) if need_gh else hidden.new_empty(0)
     gb_acc = torch.zeros(V, device=dev, dtype=acc) if need_gb else None
@@ -713,8 +704,11 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
         loss, _ = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
         gw = lm_weight_grad(ids, mask, g, hidden, V, weight.dtype) if need_gw else weight.new_empty(0)
         if need_gb:
-            clean = torch.where(mask != 0, ids, torch.zeros_like(ids)).reshape(-1).long()
-            gb = torch.zeros(V, device=dev, dtype=acc).index_add_(0, clean, g.reshape(-1)).to(bias.dtype)
+            # masked and out-of-range slots (index checks off; their g is NaN) add nothing, as in lm_weight_grad
+            ok = (mask != 0) & (ids >= 0) & (ids < V)
+            clean = torch.where(ok, ids, torch.zeros_like(ids)).reshape(-1).long()
+            g_ok = torch.where(ok, g, torch.zeros_like(g)).reshape(-1)
+            gb = torch.zeros(V, device=dev, dtype=acc).index_add_(0, clean, g_ok).to(bias.dtype)
         else:
             gb = hidden.new_empty(0)
         return loss, tok, gh, gw, gb, applied
@@ -724,7 +718,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
     lse, A, lse1, ce = (torch.empty(C, device=dev, dtype=acc) for _ in range(4))
     corr = torch.empty(C, K, device=dev, dtype=acc)
     ce_tok = torch.empty(N, device=dev, dtype=acc) if has_ce else None
-    flags_f = torch.empty(C, device=dev, dtype=acc)
+    flags_c = torch.empty(C, device=dev, dtype=acc)  # the row kernel's output; unused (flags came from the mask)
     gw = torch.empty(V, H, device=dev, dtype=weight.dtype) if need_gw else weight.new_empty(0)
     wt = weight.t()
     for r0 in range(0, N, C):
@@ -737,10 +731,8 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
         else:
             torch.addmm(bias, h_c, wt, out=z)
         lab_c = labels[r0:r1] if has_ce else None
-        if normalize == 0:
-            lse.zero_()
         _row_fwd(z, ids[r0:r1], t[r0:r1], m8[r0:r1], lab_c, normalize, temperature, acc,
-                 (tok[r0:r1], flags_f, lse, A, corr, ce_tok[r0:r1] if has_ce else None, lse1))
+                 (tok[r0:r1], flags_c, lse, A, corr, ce_tok[r0:r1] if has_ce else None, lse1))
         if not need_grad:
             continue
         _row_bwd(z, z, ids[r0:r1], m8[r0:r1], lab_c, lse, A, corr, lse1, None, None, scale, normalize, temperature)

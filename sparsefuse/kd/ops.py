@@ -13,7 +13,8 @@ log-softmax over the vocabulary, ``"tail"`` full plus the (K+1)-th bucket
 (1 - P) log((1 - P) / (1 - Q)) (a KL over K + 1 outcomes, never negative). Masked slots are left out
 of every sum and normaliser; a token with no unmasked slot contributes 0 and gets a zero gradient.
 Reductions: ``"sum"``; ``"mean"`` over tokens that have an unmasked slot (counted on the device);
-``num_items_in_batch`` (int or tensor) divides the sum instead, for gradient accumulation.
+``num_items_in_batch`` (a positive number, or a one-element tensor on the inputs' device) divides
+the sum instead, for gradient accumulation.
 
 Layering: forward and backward are each one registered op (``torch.ops.sparsefuse.kd_*``, with
 fake implementations, so ``torch.compile(fullgraph=True)`` sees them), and a small
@@ -26,28 +27,35 @@ and call their launchers directly (``sparsefuse/_registry.py``).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from .._registry import register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor, index_checks_enabled
 from . import kernels, reference
 from .reference import NORMALIZE
 
 _REDUCTIONS = ("mean", "sum")
 
 
-def _reduction_args(reduction, num_items_in_batch):
+def _reduction_args(reduction, num_items_in_batch, dev):
     """(reduction code, num_items tensor or None, num_items float) for the ops."""
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, Tensor):
-            return 2, num_items_in_batch.reshape(()), 1.0
-        return 2, None, float(num_items_in_batch)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    return reference.REDUCTION[reduction], None, 1.0
+    if num_items_in_batch is None:
+        return reference.REDUCTION[reduction], None, 1.0
+    if isinstance(num_items_in_batch, Tensor):  # its value is not checked: that would be a host sync
+        check_tensor("num_items_in_batch", num_items_in_batch, device=dev)
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must hold one element, got shape {tuple(num_items_in_batch.shape)}")
+        return 2, num_items_in_batch.reshape(()), 1.0
+    if not isinstance(num_items_in_batch, numbers.Real) or not num_items_in_batch > 0:
+        raise ValueError(f"num_items_in_batch must be a positive number or a one-element tensor, "
+                         f"got {num_items_in_batch!r}")
+    return 2, None, float(num_items_in_batch)
 
 
 def _normalize_code(normalize):
@@ -62,26 +70,38 @@ def _check_temperature(temperature):
     return float(temperature)
 
 
-def _check_targets(ids, logprobs, mask, dev, *, lead_k=None):
-    """Flatten the teacher tensors to [N, K] (ids optional) and check them."""
-    shape = logprobs.shape if ids is None else ids.shape
-    if ids is not None:
+def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
+    """Flatten the teacher tensors to [N, K] (ids for the forms that take them) and check them."""
+    if with_ids:
         check_tensor("target_token_ids", ids, dtypes=INDEX_DTYPES, device=dev)
-        if ids.dim() < 1 or ids.shape[-1] < 1:
-            raise ValueError(f"target_token_ids must end in a K >= 1 dimension, got shape {tuple(ids.shape)}")
     check_tensor("target_logprobs", logprobs, dtypes=FLOAT_DTYPES, device=dev)
-    if tuple(logprobs.shape) != tuple(shape):
-        raise ValueError(f"target_logprobs has shape {tuple(logprobs.shape)}; expected {tuple(shape)}")
+    name, shape = ("target_token_ids", tuple(ids.shape)) if with_ids else ("target_logprobs", tuple(logprobs.shape))
+    if len(shape) < 1 or shape[-1] < 1:
+        raise ValueError(f"{name} must end in a K >= 1 dimension, got shape {shape}")
+    if tuple(logprobs.shape) != shape:
+        raise ValueError(f"target_logprobs has shape {tuple(logprobs.shape)}; expected {shape}")
     if mask is not None:
         check_tensor("target_mask", mask, device=dev)
-        if tuple(mask.shape) != tuple(shape):
-            raise ValueError(f"target_mask has shape {tuple(mask.shape)}; expected {tuple(shape)}")
+        if tuple(mask.shape) != shape:
+            raise ValueError(f"target_mask has shape {tuple(mask.shape)}; expected {shape}")
     K = shape[-1]
     t = logprobs.reshape(-1, K)
     m = torch.ones(t.shape, dtype=torch.bool, device=dev) if mask is None else mask.reshape(-1, K)
     if m.dtype != torch.bool:
         m = m != 0
-    return (None if ids is None else ids.reshape(-1, K)), t, m, tuple(shape[:-1])
+    return (ids.reshape(-1, K) if with_ids else None), t, m, shape[:-1]
+
+
+def _check_ids(ids, mask, V, labels=None):
+    """Range-check the unmasked ids (and the labels that are not -100) when index checks are on.
+
+    Both implementations of an op (the Triton launcher and, on CPU without the interpreter, the
+    PyTorch reference) run this first, so a bad id raises the same ``IndexError`` on either. It
+    reads the data, so it lives inside the ops, where ``torch.compile`` does not trace it."""
+    if index_checks_enabled(ids):
+        check_index_range("target_token_ids", torch.where(mask != 0, ids, torch.zeros_like(ids)), V)
+    if labels is not None and index_checks_enabled(labels):
+        check_index_range("labels", torch.where(labels != reference.IGNORE_INDEX, labels, torch.zeros_like(labels)), V)
 
 
 # --- gathered logits ----------------------------------------------------------------------------
@@ -143,7 +163,8 @@ def topk_kd_loss(
         target_mask: ``[..., K]`` bool or 0/1; None means every slot counts.
         temperature: T > 0; divides the student logits; the loss is multiplied by T^2.
         reduction: ``"mean"`` (over tokens with an unmasked slot) or ``"sum"``.
-        num_items_in_batch: if given, the loss is the sum divided by it (overrides ``reduction``).
+        num_items_in_batch: if given (a positive number, or a one-element tensor whose value is not
+            checked), the loss is the sum divided by it (in place of ``reduction``'s divisor).
         return_per_token: also return the per-token loss ``[...]`` (differentiable).
 
     Returns:
@@ -151,12 +172,12 @@ def topk_kd_loss(
     """
     check_tensor("student_logits_topk", student_logits_topk, dtypes=FLOAT_DTYPES)
     dev = student_logits_topk.device
-    _, t, m, lead = _check_targets(None, target_logprobs, target_mask, dev)
+    _, t, m, lead = _check_targets(None, target_logprobs, target_mask, dev, with_ids=False)
     if tuple(student_logits_topk.shape) != tuple(target_logprobs.shape):
         raise ValueError(f"student_logits_topk has shape {tuple(student_logits_topk.shape)}; "
                          f"expected {tuple(target_logprobs.shape)} (the shape of target_logprobs)")
     T = _check_temperature(temperature)
-    red, items, items_v = _reduction_args(reduction, num_items_in_batch)
+    red, items, items_v = _reduction_args(reduction, num_items_in_batch, dev)
     loss, tok = _TopKFunction.apply(student_logits_topk.reshape(t.shape), t, m, T, red, items, items_v)
     return (loss, tok.reshape(lead)) if return_per_token else loss
 
@@ -181,10 +202,16 @@ def _logits_bwd_op(grad_loss: Tensor, grad_tok: Optional[Tensor], z: Tensor, ids
     return kernels.logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature)
 
 
-@register_op("kd_logits", fake=_logits_fake, reference=reference.kd_logits_fwd)
+def _logits_reference(z, ids, t, mask, *args):
+    _check_ids(ids, mask, z.shape[1])
+    return reference.kd_logits_fwd(z, ids, t, mask, *args)
+
+
+@register_op("kd_logits", fake=_logits_fake, reference=_logits_reference)
 def _logits_op(z: Tensor, ids: Tensor, t: Tensor, mask: Tensor, normalize: int, temperature: float, reduction: int,
                num_items: Optional[Tensor], num_items_value: float
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_ids(ids, mask, z.shape[1])
     return kernels.logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value)
 
 
@@ -236,7 +263,7 @@ def topk_kd_loss_from_logits(
         raise ValueError("logits must have a vocabulary dimension V >= 1")
     mode = _normalize_code(normalize)
     T = _check_temperature(temperature)
-    red, items, items_v = _reduction_args(reduction, num_items_in_batch)
+    red, items, items_v = _reduction_args(reduction, num_items_in_batch, dev)
     z = logits.reshape(-1, logits.shape[-1])
     loss, tok = _LogitsFunction.apply(z, ids, t, m, mode, T, red, items, items_v)
     return (loss, tok.reshape(lead)) if return_per_token else loss
@@ -268,11 +295,17 @@ def _hidden_bwd_op(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, 
     kernels.hidden_bwd(grad_loss, grad_hidden, grad_weight, grad_bias, applied)
 
 
-@register_op("kd_hidden", fake=_hidden_fake, reference=reference.kd_hidden_fwd)
+def _hidden_reference(hidden, weight, bias, ids, t, mask, labels, *args):
+    _check_ids(ids, mask, weight.shape[0], labels)
+    return reference.kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, *args)
+
+
+@register_op("kd_hidden", fake=_hidden_fake, reference=_hidden_reference)
 def _hidden_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, t: Tensor, mask: Tensor,
                labels: Optional[Tensor], normalize: int, temperature: float, reduction: int,
                num_items: Optional[Tensor], num_items_value: float, ce_weight: float, need_gh: bool, need_gw: bool,
                need_gb: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_ids(ids, mask, weight.shape[0], labels)
     return kernels.hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction,
                               num_items, num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size)
 
@@ -284,6 +317,7 @@ class _HiddenFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(tok)
         ctx.save_for_backward(gh, gw, gb, applied)
         ctx.set_materialize_grads(False)
+        ctx.handed_out = False  # whether a backward has returned the saved gradients
         return loss, tok
 
     @staticmethod
@@ -295,9 +329,16 @@ class _HiddenFunction(torch.autograd.Function):
                                "(the input did not require grad, or grad mode was off, when the loss was computed)")
         if grad_loss is None:
             return (None,) * 17
-        # .data: the rescale mutates the saved gradients without bumping the saved tensors' version,
-        # so a second backward (retain_graph) can still unpack them (the factor in `applied` keeps it exact).
-        _hidden_bwd_op(grad_loss, gh.data, gw.data, gb.data, applied.data)
+        if ctx.handed_out:
+            # A later backward (retain_graph): the caller holds the tensors returned before (a
+            # leaf's .grad may even be one of them), so scale new ones by grad_loss / applied.
+            f = grad_loss.to(applied.dtype) / applied[0]
+            gh, gw, gb = ((x.to(f.dtype) * f).to(x.dtype) for x in (gh, gw, gb))
+        else:
+            # .data: the rescale mutates the saved gradients without bumping the saved tensors' version,
+            # so a later backward can still unpack them (`applied` records the factor they now carry).
+            _hidden_bwd_op(grad_loss, gh.data, gw.data, gb.data, applied.data)
+            ctx.handed_out = True
         return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 14
 
 
@@ -320,8 +361,9 @@ def topk_kd_loss_from_hidden(
     gradient in place, and two more matmuls accumulate grad_hidden and the weight gradient (in the
     weight's dtype). ``normalize="topk"`` without cross-entropy only reads the K weight rows of each
     token and never touches V. Gradients are computed in the forward pass (for an incoming
-    gradient of 1) and rescaled on the device in the backward, so call backward once per forward
-    (``retain_graph`` double backward is still exact).
+    gradient of 1) and rescaled in place on the device in the backward; a further backward through
+    a retained graph (``retain_graph=True``) scales copies instead, so it is exact too and leaves the
+    gradients already returned unchanged.
 
     Args:
         hidden: ``[..., H]`` student hidden states.
@@ -329,7 +371,7 @@ def topk_kd_loss_from_hidden(
         target_token_ids, target_logprobs, target_mask: ``[..., K]`` teacher top-K (see
             :func:`topk_kd_loss_from_logits`).
         normalize, temperature, reduction, num_items_in_batch: as in :func:`topk_kd_loss_from_logits`.
-        lm_head_bias: ``[V]`` or None.
+        lm_head_bias: ``[V]`` (same dtype as ``lm_head_weight``) or None.
         labels: ``[...]`` hard labels for an added cross-entropy (ignore index -100), or None.
         ce_weight: weight of the cross-entropy term, computed on the untempered logits with the same
             reduction (``"mean"``: over labels that are not -100).
@@ -348,7 +390,7 @@ def topk_kd_loss_from_hidden(
     ids, t, m, lead = _check_targets(target_token_ids, target_logprobs, target_mask, dev)
     if tuple(hidden.shape[:-1]) != lead:
         raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected {list(lead) + [H]}")
-    check_tensor("lm_head_bias", lm_head_bias, shape=(V,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
+    check_tensor("lm_head_bias", lm_head_bias, shape=(V,), dtypes=(lm_head_weight.dtype,), device=dev, optional=True)
     if V < 1:
         raise ValueError("lm_head_weight must have at least one row (V >= 1)")
     if ce_weight and labels is None:
@@ -360,7 +402,7 @@ def topk_kd_loss_from_hidden(
         labels = labels.reshape(-1)
     mode = _normalize_code(normalize)
     T = _check_temperature(temperature)
-    red, items, items_v = _reduction_args(reduction, num_items_in_batch)
+    red, items, items_v = _reduction_args(reduction, num_items_in_batch, dev)
     h = hidden.reshape(-1, H)
     w = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
     loss, tok = _HiddenFunction.apply(

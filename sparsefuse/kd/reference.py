@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 NORMALIZE = {"topk": 0, "full": 1, "tail": 2}
-REDUCTION = {"sum": 0, "mean": 1, "items": 2}
+REDUCTION = {"sum": 0, "mean": 1}  # the ops' code 2 divides by num_items_in_batch
 IGNORE_INDEX = -100
 
 
@@ -79,8 +79,8 @@ def _reduce(per_token, valid, reduction: str, num_items_in_batch):
     return total
 
 
-def _flatten(x, k_dims=1):
-    return x.reshape(-1, *x.shape[x.dim() - k_dims:]) if x.dim() > k_dims else x.reshape(1, *x.shape)
+def _flatten(x):
+    return x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, *x.shape)
 
 
 def _mask(target_mask, like):

@@ -113,15 +113,17 @@ def _vq_ema_accumulate_kernel(
     m_b = o_b < B
     b_code = tl.load(codes_ptr + i_l * B + o_b, mask=m_b, other=0).to(tl.int64)  # [BLOCK_B]
     m_ok = m_b & (b_code >= 0) & (b_code < K)
-    # a code outside [0, K) (index checks off) poisons the nearest valid code with NaN
+    # a code outside [0, K) (index checks off) poisons the nearest valid code: NaN count and sums
     b_code = tl.minimum(tl.maximum(b_code, 0), K - 1)
     p_s = s_ptr + (i_l * K + b_code) * D  # [BLOCK_B]
     p_x = x_ptr + (i_l * B + o_b) * D  # [BLOCK_B]
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        b_x = tl.load(p_x[:, None] + o_d[None, :], mask=m_b[:, None] & m_d[None, :], other=0).to(tl.float32)
-        tl.atomic_add(p_s[:, None] + o_d[None, :], b_x, mask=m_ok[:, None] & m_d[None, :], sem="relaxed")
+        m = m_b[:, None] & m_d[None, :]
+        b_x = tl.load(p_x[:, None] + o_d[None, :], mask=m, other=0).to(tl.float32)  # [BLOCK_B, BLOCK_D]
+        b_x = tl.where(m_ok[:, None], b_x, float("nan"))
+        tl.atomic_add(p_s[:, None] + o_d[None, :], b_x, mask=m, sem="relaxed")
     b_one = tl.where(m_ok, 1.0, float("nan"))  # [BLOCK_B]
     tl.atomic_add(n_ptr + i_l * K + b_code, b_one, mask=m_b, sem="relaxed")
     if i_b == 0:
@@ -144,12 +146,16 @@ def _vq_ema_segment_kernel(
     HAS_COUNTERS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Deterministic statistics: one program per (code, level), rows summed in sorted order."""
+    """Deterministic statistics: one program per (code, level), rows summed in sorted order.
+
+    Codes outside [0, K) (index checks off) sort before seg[0] or from seg[K] on; as in the atomic
+    kernel they poison the nearest valid code (0 or K - 1): its count and sums are NaN."""
     i_k = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
     s_ptr, n_ptr, sn_ptr, sc_ptr, _ = _stats_ptrs(stats_ptr, K, D, 0)
     i_start = tl.load(seg_ptr + i_l * (K + 1) + i_k)
     i_end = tl.load(seg_ptr + i_l * (K + 1) + i_k + 1)
+    m_bad = ((i_k == 0) & (i_start > 0)) | ((i_k == K - 1) & (i_end < B))
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
@@ -157,8 +163,8 @@ def _vq_ema_segment_kernel(
         for i_e in range(i_start, i_end):
             i_row = tl.load(order_ptr + i_l * B + i_e)
             b_acc += tl.load(x_ptr + (i_l * B + i_row) * D + o_d, mask=m_d, other=0).to(tl.float32)  # [BLOCK_D]
-        tl.store(s_ptr + (i_l * K + i_k) * D + o_d, b_acc, mask=m_d)
-    tl.store(n_ptr + i_l * K + i_k, (i_end - i_start).to(tl.float32))
+        tl.store(s_ptr + (i_l * K + i_k) * D + o_d, tl.where(m_bad, float("nan"), b_acc), mask=m_d)
+    tl.store(n_ptr + i_l * K + i_k, tl.where(m_bad, float("nan"), (i_end - i_start).to(tl.float32)))
     o_k = i_k + tl.arange(0, 1)
     _copy_scratch(cs_ptr, cnt_ptr, sn_ptr, sc_ptr, i_l * K + o_k, o_k < K, HAS_COUNTERS)
 
@@ -207,8 +213,9 @@ def _restart_rows(i, key_ptr, w0, w1, w2, w3, i_l, n, half, KEY_WORDS: tl.conste
 
 @triton.jit
 def _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE: tl.constexpr):
-    """New cluster size, new counter and dead flag of a block of codes."""
-    m_used = b_n > 0
+    """New cluster size, new counter and dead flag of a block of codes. A NaN count (a code
+    poisoned by an out-of-range code) counts as used, so the NaN reaches the code's state."""
+    m_used = (b_n > 0) | (b_n != b_n)
     b_new = decay * b_cs + omd * b_n
     if ACTIVE:
         b_new = tl.where(m_used, b_new, b_cs)
@@ -291,13 +298,13 @@ def _vq_ema_apply_kernel(
         b_cnt = tl.zeros([BLOCK_C], dtype=tl.int32)
     b_new, b_cnt_new, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE)
     m_dead = m_dead & m_c
-    m_used = b_n > 0
+    m_used = (b_n > 0) | (b_n != b_n)  # as in _code_state
     if ACTIVE:
         m_refresh = m_used
         b_inv = 1.0 / tl.maximum(b_new, eps)
     else:
         b_sm = (b_new + eps) / (tot + K * eps) * tot
-        m_refresh = b_sm > 0
+        m_refresh = (b_sm > 0) | (b_sm != b_sm)  # a NaN total (a poisoned code) reaches every code
         b_inv = 1.0 / tl.where(m_refresh, b_sm, 1.0)
     # restart rows: dead code number r takes global row perm(r mod rows_total)
     b_rank = n_before + tl.cumsum(m_dead.to(tl.int32), axis=0) - 1  # [BLOCK_C]
@@ -680,18 +687,18 @@ def nearest_code(x, codebook, cosine, precision):
 @triton.jit
 def _vq_quantize_kernel(
     x_ptr,  # [B, D] contiguous
-    codes_ptr,  # [B] int64
-    cb_ptr,  # [K, D] contiguous
+    codes_ptr,  # [B] int64 (FWD)
+    cb_ptr,  # [K, D] contiguous (FWD)
     out_ptr,  # [B, D] x dtype: codebook[codes], written (FWD) or read back (BWD)
-    loss_ptr,  # [B] ACC (FWD): sum_d (x - q)^2
-    gout_ptr,  # [B, D] incoming gradient of out (BWD; HAS_GOUT)
+    loss_ptr,  # [B] ACC (FWD): sum_d (x - out)^2
+    gout_ptr,  # [B, D] incoming gradient of out (BWD)
     gloss_ptr,  # [] incoming gradient of the loss (BWD)
-    gx_ptr,  # [B, D] x dtype (BWD): gout + scale * gloss * (x - q)
+    gx_ptr,  # [B, D] x dtype (BWD): gout + scale * gloss * (x - out)
     B,
+    K,
     D,
     scale,
     FWD: tl.constexpr,
-    HAS_GOUT: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -700,6 +707,8 @@ def _vq_quantize_kernel(
     m_b = o_b < B
     if FWD:
         b_code = tl.load(codes_ptr + o_b, mask=m_b, other=0)  # [BLOCK_B]
+        # a code outside [0, K) (index checks off) is never dereferenced: its row of out is NaN
+        m_ok = (b_code >= 0) & (b_code < K)
     b_loss = tl.zeros([BLOCK_B], dtype=ACC)
     if not FWD:
         b_gl = tl.load(gloss_ptr).to(ACC) * scale
@@ -708,7 +717,9 @@ def _vq_quantize_kernel(
         m = m_b[:, None] & (o_d < D)[None, :]
         p = o_b[:, None] * D + o_d[None, :]  # [BLOCK_B, BLOCK_D]
         if FWD:
-            b_q = tl.load(cb_ptr + b_code[:, None] * D + o_d[None, :], mask=m, other=0).to(ACC)
+            b_q = tl.load(cb_ptr + b_code[:, None] * D + o_d[None, :], mask=m & m_ok[:, None], other=0)
+            # rounded to out's dtype first: the loss is that of the out the backward sees
+            b_q = tl.where(m_ok[:, None], b_q.to(out_ptr.dtype.element_ty).to(ACC), float("nan"))
         else:
             b_q = tl.load(out_ptr + p, mask=m, other=0).to(ACC)
         b_diff = tl.load(x_ptr + p, mask=m, other=0).to(ACC) - b_q
@@ -716,9 +727,7 @@ def _vq_quantize_kernel(
             tl.store(out_ptr + p, b_q.to(out_ptr.dtype.element_ty), mask=m)
             b_loss += tl.sum(b_diff * b_diff, axis=1)
         else:
-            b_g = b_diff * b_gl
-            if HAS_GOUT:
-                b_g += tl.load(gout_ptr + p, mask=m, other=0).to(ACC)
+            b_g = b_diff * b_gl + tl.load(gout_ptr + p, mask=m, other=0).to(ACC)
             tl.store(gx_ptr + p, b_g.to(gx_ptr.dtype.element_ty), mask=m)
     if FWD:
         tl.store(loss_ptr + o_b, b_loss, mask=m_b)
@@ -732,16 +741,18 @@ def _acc_tl(*ts):
 
 
 def quantize_fwd(x, codes, codebook, beta):
-    """(out [B, D] = codebook[codes] in x's dtype, loss [] = beta * mean((x - out)^2) in ACC)."""
+    """(out [B, D] = codebook[codes] in x's dtype, loss [] = beta * mean((x - out)^2) in ACC).
+    An unchecked code outside [0, K) makes its row of out, and the loss, NaN."""
     B, D = x.shape
+    K = codebook.shape[0]
+    check_index_range("codes", codes, K)
     acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
     out = torch.empty(B, D, device=x.device, dtype=x.dtype)
     rows = torch.empty(B, device=x.device, dtype=acc)
     if B and D:
         launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
-               (x.contiguous(), codes.contiguous(), codebook.contiguous(), out, rows, None, None, None, B, D, 1.0),
-               dict(FWD=True, HAS_GOUT=False, ACC=_acc_tl(x, codebook), BLOCK_B=_Q_BLOCK_B,
-                    BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+               (x.contiguous(), codes.contiguous(), codebook.contiguous(), out, rows, None, None, None, B, K, D, 1.0),
+               dict(FWD=True, ACC=_acc_tl(x, codebook), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
     else:
         out.zero_()
         rows.zero_()
@@ -750,16 +761,15 @@ def quantize_fwd(x, codes, codebook, beta):
 
 def quantize_bwd(grad_out, grad_loss, x, q, beta):
     """grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - q), q the forward's output (the codebook
-    may have been updated in place since); grad_out may be None."""
+    may have been updated in place since). Autograd hands both gradients as tensors (zeros for an
+    unused output)."""
     B, D = x.shape
     gx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if B and D:
         launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
-               (x.contiguous(), None, None, q.contiguous(), None,
-                None if grad_out is None else grad_out.contiguous(), grad_loss.contiguous(), gx, B, D,
-                2.0 * beta / max(B * D, 1)),
-               dict(FWD=False, HAS_GOUT=grad_out is not None, ACC=_acc_tl(x, q), BLOCK_B=_Q_BLOCK_B,
-                    BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+               (x.contiguous(), None, None, q.contiguous(), None, grad_out.contiguous(), grad_loss.contiguous(), gx,
+                B, 0, D, 2.0 * beta / max(B * D, 1)),
+               dict(FWD=False, ACC=_acc_tl(x, q), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
     else:
         gx.zero_()
     return gx

@@ -15,11 +15,15 @@ from .ops import batch_statistics, nearest_code, quantize, vq_ema_update
 def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group):
     """Lloyd's k-means on the device: (centroids [K, D] fp32, counts [K] of the last assignment).
 
-    Starts from distinct random rows of x (of rank 0 under DDP, broadcast); each iteration assigns
-    with :func:`nearest_code` and re-centres with :func:`batch_statistics` (all-reduced over
+    Starts from random rows of x (of rank 0 under DDP, broadcast), distinct while B >= K (with
+    B < K, code k starts from the same row as code k - B); each iteration assigns with
+    :func:`nearest_code` and re-centres with :func:`batch_statistics` (all-reduced over
     ``process_group``); an empty cluster keeps its centroid.
     """
     B = x.shape[0]
+    if B == 0:
+        raise ValueError(f"x must have at least one row to initialise the codebook with k-means, got shape "
+                         f"{tuple(x.shape)}")
     perm = torch.randperm(B, device=x.device, generator=generator)
     c = x[perm[torch.arange(num_codes, device=x.device) % max(B, 1)]].float()
     if process_group is not None:

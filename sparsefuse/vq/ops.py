@@ -101,11 +101,13 @@ def _restart_op(codebook: Tensor, embed_sum: Tensor, cand: Tensor, dead: Tensor,
     kernels.ema_restart(codebook, embed_sum, cand, dead, reset)
 
 
-def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay):
+def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, generator=None):
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if not 0.0 <= float(decay) <= 1.0:
         raise ValueError(f"decay must lie in [0, 1], got {decay}")
+    if generator is not None and isinstance(codebook, Tensor) and generator.device.type != codebook.device.type:
+        raise ValueError(f"generator is on {generator.device} but the codebook is on {codebook.device}")
     # Valid inputs pass these few comparisons (a few us of host time instead of ~15 through the
     # per-argument checks below, which run only to name what is wrong).
     if (isinstance(codebook, Tensor) and isinstance(cluster_size, Tensor) and isinstance(embed_sum, Tensor)
@@ -153,9 +155,10 @@ def vq_ema_update(
     """EMA codebook update with dead-code restart, in place, in two kernel launches.
 
     Args:
-        x: ``[B, D]`` rows that were quantised (float32, bfloat16, float16), or ``[L, B, D]`` for L
-            residual levels updated together.
-        codes: ``[B]`` / ``[L, B]`` int32/int64 code of each row, in ``[0, K)``.
+        x: ``[B, D]`` rows that were quantised (float32, bfloat16, float16 or float64; summed in
+            float32), or ``[L, B, D]`` for L residual levels updated together.
+        codes: ``[B]`` / ``[L, B]`` int32/int64 code of each row, in ``[0, K)`` (see below for one
+            outside it).
         codebook: ``[K, D]`` / ``[L, K, D]`` float32, contiguous; rewritten in place.
         cluster_size: ``[K]`` / ``[L, K]`` float32 EMA of the code counts (N), in place.
         embed_sum: ``[K, D]`` / ``[L, K, D]`` float32 EMA of the code sums (S), in place.
@@ -168,7 +171,8 @@ def vq_ema_update(
             refresh, codebook = S / max(N, eps); a code unused for ``restart_after_steps`` steps
             restarts with N = S = 0). See ``sparsefuse.vq.reference`` for the exact math.
         eps: Laplace smoothing epsilon, or the floor on N for ``"active"``.
-        generator: ``torch.Generator`` on x's device for the restart rows (same state, same rows).
+        generator: ``torch.Generator`` on the codebook's device type for the restart rows (same
+            state, same rows).
         process_group: a ``torch.distributed`` group: the batch statistics (and the restart rows)
             are all-reduced over it, so every rank ends with the same state, equal to one process
             updating on the concatenated batch. Every rank must pass the same B.
@@ -178,6 +182,14 @@ def vq_ema_update(
     Dead codes restart from distinct random rows of x while there are at most B (world * B) of
     them. No B x K one-hot, no host sync, fp32 state whatever the dtype of x.
 
+    A code outside ``[0, K)`` raises ``IndexError`` where index checks are on (see
+    ``sparsefuse.set_index_checks``). Unchecked, it is never dereferenced: it poisons the nearest
+    valid code (0 or K - 1), whose batch count and sums become NaN in both the atomic and the
+    deterministic path. That code counts as used (its counter resets) and its ``cluster_size``,
+    ``embed_sum`` and codebook row become NaN; with ``"laplace"`` the NaN also enters the total N
+    that smooths every code, so every codebook row of the level that is refreshed becomes NaN
+    (codes restarting in this step still take their rows of x).
+
     In eager mode (not deterministic, no process group) the batch statistics go into a zeroed
     buffer that the update's second kernel leaves zeroed again, cached per thread, device, stream
     and (L, K, D) and reused by the next update: ``L * K * (D + 4)`` float32 each (0.5 MiB at
@@ -185,7 +197,7 @@ def vq_ema_update(
     Under ``torch.compile`` and while a CUDA graph is captured every update allocates its own.
     """
     active = semantics == "active"
-    _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay)
+    _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay, generator)
     if active and restart_after_steps > 0 and steps_since_active is None:
         raise ValueError("semantics='active' with restart_after_steps > 0 needs steps_since_active")
     if restart_after_steps >= _COUNTER_EXACT:
@@ -236,7 +248,16 @@ def vq_ema_update(
 def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=None,
                      deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """Per-code counts and sums ``(n [K], s [K, D])`` (``[L, ...]`` for stacked x), float32, no one-hot;
-    all-reduced over ``process_group`` when given. Used by the k-means initialisation."""
+    all-reduced over ``process_group`` when given. Used by the k-means initialisation.
+
+    x: ``[B, D]`` or ``[L, B, D]`` float; codes: ``[B]`` / ``[L, B]`` int32/int64 in ``[0, num_codes)``
+    (range-checked and, unchecked, poisoned with NaN as in :func:`vq_ema_update`)."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [B, D] or [L, B, D], got shape {tuple(x.shape)}")
+    check_tensor("codes", codes, shape=tuple(x.shape[:-1]), dtypes=INDEX_DTYPES, device=x.device)
+    if num_codes < 1:
+        raise ValueError(f"num_codes must be at least 1, got {num_codes}")
     single = x.dim() == 2
     if single:
         x, codes = x.unsqueeze(0), codes.unsqueeze(0)
@@ -313,12 +334,17 @@ def _quantize_fake(x, codes, codebook, beta):
     return x.new_empty(x.shape), x.new_empty((), dtype=acc)  # contiguous like the kernel's
 
 
+def _quantize_reference(x, codes, codebook, beta):
+    check_index_range("codes", codes, codebook.shape[0])
+    return reference.quantize_fwd(x, codes, codebook, beta)
+
+
 def _quantize_bwd_fake(grad_out, grad_loss, x, q, beta):
     return x.new_empty(x.shape)
 
 
 @register_op("vq_quantize_bwd", fake=_quantize_bwd_fake, reference=reference.quantize_bwd)
-def _quantize_bwd_op(grad_out: Optional[Tensor], grad_loss: Tensor, x: Tensor, q: Tensor, beta: float) -> Tensor:
+def _quantize_bwd_op(grad_out: Tensor, grad_loss: Tensor, x: Tensor, q: Tensor, beta: float) -> Tensor:
     return kernels.quantize_bwd(grad_out, grad_loss, x, q, beta)
 
 
@@ -330,13 +356,12 @@ def _quantize_setup(ctx, inputs, output):
 
 
 def _quantize_backward(ctx, grad_out, grad_loss):
+    # both gradients are tensors: autograd materialises an unused output's gradient as zeros
     x, out = ctx.saved_tensors
-    if grad_loss is None:
-        grad_loss = x.new_zeros((), dtype=torch.float32)
     return _quantize_bwd_op(grad_out, grad_loss, x, out, ctx.beta), None, None, None
 
 
-@register_op("vq_quantize", fake=_quantize_fake, reference=reference.quantize_fwd,
+@register_op("vq_quantize", fake=_quantize_fake, reference=_quantize_reference,
              backward=_quantize_backward, setup_context=_quantize_setup)
 def _quantize_op(x: Tensor, codes: Tensor, codebook: Tensor, beta: float) -> tuple[Tensor, Tensor]:
     return kernels.quantize_fwd(x, codes, codebook, beta)
@@ -346,10 +371,13 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     """Straight-through quantisation fused with the commitment loss.
 
     Returns ``out = codebook[codes]`` (``[B, D]`` in x's dtype) whose gradient flows to ``x``
-    unchanged, and ``loss = beta * mean((x - sg(out))^2)`` (float32; float64 for float64 inputs).
-    One kernel forward (gather + squared error), one backward
+    unchanged, and ``loss = beta * mean((x - sg(out))^2)`` (float32; float64 for float64 inputs),
+    computed from ``out`` as returned (the codebook rows rounded to x's dtype), so the backward is
+    its exact derivative. One kernel forward (gather + squared error), one backward
     (``grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - out)``); the codebook gets no gradient.
-    ``codes`` must be valid (they come from :func:`nearest_code`).
+    ``codes [B]`` int64 in ``[0, K)`` (from :func:`nearest_code`): one outside raises ``IndexError``
+    where index checks are on (see ``sparsefuse.set_index_checks``); unchecked, its row of ``out``
+    and of ``grad_x``, and the loss, are NaN.
     """
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("x", x, shape=(None, codebook.shape[1]), dtypes=FLOAT_DTYPES, device=codebook.device)
@@ -361,11 +389,14 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
 
 class _Quantize(torch.autograd.Function):
     """Eager path of ``vq_quantize``: the same launchers without the custom-op autograd wrapper,
-    whose host cost exceeded the two kernels' device time."""
+    whose host cost exceeded the two kernels' device time. Not the registry's eager path
+    (``RegisteredOp.__call__``) either: that repeats ``plain_eager`` and picks the implementation
+    from ``device.type`` in the forward and again for the backward op: about 10 us more host time
+    per forward + backward, measured on CPU."""
 
     @staticmethod
     def forward(ctx, x, codes, codebook, beta):
-        impl = kernels.quantize_fwd if (x.is_cuda or INTERPRET) else reference.quantize_fwd
+        impl = kernels.quantize_fwd if (x.is_cuda or INTERPRET) else _quantize_reference
         out, loss = impl(x, codes, codebook, beta)
         ctx.save_for_backward(x, out)
         ctx.beta = beta

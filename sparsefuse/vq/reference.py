@@ -28,6 +28,9 @@ Semantics (``active`` = False: "laplace", as in vector-quantize-pytorch / EnCode
   (``codebook_k = S_k / max(N_k, eps)``); the others keep every value. A code whose counter reaches
   ``restart_after`` (> 0) takes a row v of x with ``N_k = 0``, ``S_k = 0``.
 * counters (when given): 0 for codes used in the batch or restarted, else + 1.
+* an unchecked code outside [0, K) makes the batch count and sums of the nearest valid code NaN
+  (:func:`ema_accumulate`, as the kernels); a NaN count counts as used, so the NaN reaches that
+  code's N, S and codebook row, and with laplace (through sum N) every refreshed codebook row.
 
 Dead codes are numbered 0, 1, 2, ... in code order within each level; dead code number r takes
 global row ``restart_rows(key, r mod Bg, Bg)`` of the batch (Bg = world size x B in DDP): distinct
@@ -69,9 +72,10 @@ def _feistel(i: torch.Tensor, key: torch.Tensor, half: int) -> torch.Tensor:
 def restart_rows(key: torch.Tensor, i: torch.Tensor, n: int) -> torch.Tensor:
     """A keyed bijection of [0, n), applied to ``i`` (int64, values in [0, n)).
 
-    A 4-round Feistel network on 2*h bits (2^(2h) < 4n) with cycle walking: values that land
-    outside [0, n) go through the network again until they land inside. ``key`` is [..., 4] int64
-    (broadcast against ``i``), drawn from the caller's generator.
+    A 4-round Feistel network on 2*h bits, the smallest even width of at least 2 with
+    2^(2h) >= n (so 2^(2h) < 4n for n > 1), with cycle walking: values that land outside [0, n) go
+    through the network again until they land inside. ``key`` is [..., 4] int64 (broadcast against
+    ``i``), drawn from the caller's generator.
     """
     half = _half_bits(n)
     v = _feistel(i, key, half)
@@ -156,8 +160,9 @@ def ema_update(x, codes, codebook, cluster_size, embed_sum, counters=None, *, de
 
 def _blend_and_refresh(n, s, codebook, cluster_size, embed_sum, counters, decay, active, eps, threshold,
                        restart_after):
-    """Steps 2-4 in place; returns the dead mask [L, K]."""
-    used = n > 0
+    """Steps 2-4 in place; returns the dead mask [L, K]. A NaN count (a code poisoned by an
+    out-of-range code, see :func:`ema_accumulate`) counts as used, so the NaN reaches its state."""
+    used = (n > 0) | n.isnan()
     new_n = decay * cluster_size + (1 - decay) * n
     new_s = decay * embed_sum + (1 - decay) * s
     if active:
@@ -169,7 +174,7 @@ def _blend_and_refresh(n, s, codebook, cluster_size, embed_sum, counters, decay,
         embed_sum.copy_(new_s)
         total = cluster_size.sum(1, keepdim=True)
         smoothed = (cluster_size + eps) / (total + cluster_size.shape[1] * eps) * total
-        ok = smoothed > 0
+        ok = (smoothed > 0) | smoothed.isnan()  # a NaN total reaches every code
         codebook.copy_(torch.where(ok[..., None], embed_sum / torch.where(ok, smoothed, 1.0)[..., None], codebook))
     if counters is not None:
         new_c = torch.where(used, torch.zeros_like(counters), counters + 1)
@@ -187,14 +192,16 @@ def _blend_and_refresh(n, s, codebook, cluster_size, embed_sum, counters, decay,
 
 
 def ema_accumulate(x, codes, num_codes: int):
-    """Batch statistics: (n [L, K], s [L, K, D]) in float32 (float64 for float64 x)."""
+    """Batch statistics: (n [L, K], s [L, K, D]) in float32 (float64 for float64 x). A code outside
+    [0, K) adds NaN to the count and sums of the nearest valid code, as in the kernels."""
     L, B, D = x.shape
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     n = torch.zeros(L, num_codes, dtype=dt, device=x.device)
     s = torch.zeros(L, num_codes, D, dtype=dt, device=x.device)
-    idx = codes.long()
-    n.scatter_add_(1, idx, torch.ones_like(idx, dtype=dt))
-    s.scatter_add_(1, idx[..., None].expand(L, B, D), x.to(dt))
+    ok = (codes >= 0) & (codes < num_codes)
+    idx = codes.long().clamp(0, num_codes - 1)
+    n.scatter_add_(1, idx, torch.where(ok, 1.0, float("nan")).to(dt))
+    s.scatter_add_(1, idx[..., None].expand(L, B, D), torch.where(ok[..., None], x.to(dt), float("nan")))
     return n, s
 
 
@@ -287,15 +294,16 @@ def quantize(x, codes, codebook, beta):
 
 
 def quantize_fwd(x, codes, codebook, beta):
+    """(out = codebook[codes] in x's dtype, loss of that rounded out in float32, float64 if either
+    input is float64)."""
     dt = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
-    q = codebook[codes]
+    ok = (codes >= 0) & (codes < codebook.shape[0])  # as in the kernel: a bad code's row is NaN
+    q = torch.where(ok[:, None], codebook[torch.where(ok, codes, 0)], float("nan")).to(x.dtype)
     loss = (x.to(dt) - q.to(dt)).square().sum() * (beta / max(x.numel(), 1))
-    return q.to(x.dtype), loss
+    return q, loss
 
 
 def quantize_bwd(grad_out, grad_loss, x, q, beta):
     dt = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
-    g = (x.to(dt) - q.to(dt)) * (grad_loss.to(dt) * (2.0 * beta / max(x.numel(), 1)))
-    if grad_out is not None:
-        g = g + grad_out.to(dt)
+    g = (x.to(dt) - q.to(dt)) * (grad_loss.to(dt) * (2.0 * beta / max(x.numel(), 1))) + grad_out.to(dt)
     return g.to(x.dtype)
