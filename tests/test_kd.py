@@ -500,7 +500,7 @@ def test_num_items_in_batch_is_checked():
     d = make(5, 3, 37, dtype=torch.float32)
     args = (d["z"], d["ids"], d["t"], d["m"])
     with pytest.raises(ValueError, match=r"num_items_in_batch must hold one element, got shape \(2,\)"):
-        sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=torch.tensor([3.0, 4.0]))
+        sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=torch.tensor([3.0, 4.0], device=DEVICE))
     with pytest.raises(ValueError, match="num_items_in_batch is on meta but the other inputs are on"):
         sparsefuse.topk_kd_loss_from_logits(*args, num_items_in_batch=torch.tensor(3.0, device="meta"))
     for bad in (0, -2.0, float("nan"), "7"):
