@@ -765,10 +765,13 @@ def quantize_bwd(grad_out, grad_loss, x, q, beta):
     unused output)."""
     B, D = x.shape
     gx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    scale = 2.0 * beta / max(B * D, 1)
+    if torch.float64 in (x.dtype, q.dtype):  # a Python float reaches a kernel as fp32: fold it on the host
+        grad_loss, scale = grad_loss.to(torch.float64) * scale, 1.0
     if B and D:
         launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
                (x.contiguous(), None, None, q.contiguous(), None, grad_out.contiguous(), grad_loss.contiguous(), gx,
-                B, 0, D, 2.0 * beta / max(B * D, 1)),
+                B, 0, D, scale),
                dict(FWD=False, ACC=_acc_tl(x, q), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
     else:
         gx.zero_()
