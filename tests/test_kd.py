@@ -630,6 +630,145 @@ def test_gpu_compile_and_hidden_equals_logits():
     compare(a, b, torch.bfloat16, ["loss", "grad_hidden", "grad_weight"])
 
 
+# --- offsets past 2^31 (GPU tier; a tiny run of the same checks is in the CPU tier) ----------------
+# Every kernel multiplies a row index by a row length in int64 (kernels.py, module doc). These
+# inputs put rows of the logits, of the LM head and of the hidden states past 2^31 and past 2^32
+# elements: a row offset wrapped in int32 would point before the tensor (past 2^31) or onto another
+# row (past 2^32). Rows are independent random data, so a wrapped read gives another loss and
+# gradient, and outputs start as NaN (conftest), so a wrapped write leaves its true row NaN.
+
+_I31, _I32 = 2**31, 2**32
+
+
+def _edge_rows(n, stride):
+    """Row 0, n // 2, n - 1 and the rows on either side of where row * stride reaches 2^31 and 2^32."""
+    rows = {0, n // 2, n - 1}
+    for lim in (_I31, _I32):
+        r = -(-lim // stride)  # first row that starts at or past lim
+        rows |= {r - 1, r}
+    return sorted(r for r in rows if 0 <= r < n)
+
+
+def _teacher(N, K, V, dtype, gen, first=()):
+    """ids [N, K] (slots 0.. hold the ids in ``first``, always unmasked), log-probs, mask on gen's device."""
+    dev = gen.device
+    ids = torch.randint(0, V, (N, K), device=dev, generator=gen)
+    if first:
+        ids[:, :len(first)] = torch.tensor(first, device=dev)
+    m = torch.rand(N, K, device=dev, generator=gen) > 0.25
+    m[:, :max(1, len(first))] = True
+    t = torch.log_softmax(torch.randn(N, K, device=dev, generator=gen, dtype=torch.float64) * 2, -1) - 0.2
+    return ids, torch.where(m, t, -1e9).to(dtype), m
+
+
+def _randn(shape, dtype, gen, scale=1.0):
+    x = torch.randn(shape, device=gen.device, dtype=dtype, generator=gen)
+    return (x.mul_(scale) if scale != 1.0 else x).requires_grad_()  # in place: no second copy of a big tensor
+
+
+def _check_logits_rows(N, K, V, normalize, dtype, device):
+    """Full logits [N, V]: per-token loss and gradient of the rows in _edge_rows(N, V) against float64
+    on those rows only; every gradient row finite (written)."""
+    gen = torch.Generator(device).manual_seed(0)
+    z = _randn((N, V), dtype, gen)
+    ids, t, m = _teacher(N, K, V, dtype, gen, first=(V - 1,))  # slot 0 reads the far end of each row
+    loss, tok = sparsefuse.topk_kd_loss_from_logits(z, ids, t, m, normalize=normalize, temperature=1.3,
+                                                    reduction="sum", return_per_token=True)
+    (g,) = torch.autograd.grad(loss, z)
+    assert torch.isfinite(tok).all() and torch.isfinite(g.sum(1, dtype=torch.float32)).all()
+    rows = torch.tensor(_edge_rows(N, V), device=device)
+    z64 = z.detach()[rows].double().requires_grad_()
+    _, tok64 = ref.topk_kd_loss_from_logits(z64, ids[rows], t[rows].double(), m[rows], normalize=normalize,
+                                            temperature=1.3, reduction="sum")
+    (g64,) = torch.autograd.grad(tok64.sum(), z64)
+    compare([tok[rows], g[rows]], [tok64, g64], dtype, ["per-token loss", "grad"])
+
+
+def _check_hidden_wide_head(N, K, V, H, dtype, device):
+    """LM head [V, H], "topk" from hidden (gathers W rows by id, writes every grad_weight row): every
+    token's slots include the head rows in _edge_rows(V, H). Against float64 on the gathered rows
+    only; grad_weight zero elsewhere. The incoming gradient 2.5 makes the backward rescale all V * H
+    elements of grad_weight."""
+    gen = torch.Generator(device).manual_seed(1)
+    h = _randn((N, H), dtype, gen)
+    w = _randn((V, H), dtype, gen, H**-0.5)
+    ids, t, m = _teacher(N, K, V, dtype, gen, first=_edge_rows(V, H))
+    loss = 2.5 * sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, m, normalize="topk", temperature=1.3)
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    rows, sub_ids = torch.unique(ids, return_inverse=True)
+    p64 = [leaf(h.double()), leaf(w.detach()[rows].double())]
+    want = grads(2.5 * ref.topk_kd_loss_from_hidden(p64[0], p64[1], sub_ids, t.double(), m, normalize="topk",
+                                                    temperature=1.3)[0], p64)
+    compare([loss, gh, gw[rows]], want, dtype, ["loss", "grad_hidden", "grad_weight"], scale=2)
+    assert torch.count_nonzero(gw.index_fill_(0, rows, 0)) == 0, "grad_weight rows without a slot"
+
+
+def _check_hidden_long(N, K, V, H, dtype, device):
+    """Hidden states [N, H], "topk" from hidden: only the tokens in _edge_rows(N, H) have unmasked slots,
+    so the loss and grad_weight come from them alone (float64 reference on those rows); their
+    grad_hidden rows are compared and every other row must be zero. The incoming gradient 2.5 makes
+    the backward rescale all N * H elements of grad_hidden."""
+    gen = torch.Generator(device).manual_seed(2)
+    h = _randn((N, H), dtype, gen)
+    w = _randn((V, H), dtype, gen, H**-0.5)
+    ids, t, m = _teacher(N, K, V, dtype, gen)
+    rows = torch.tensor(_edge_rows(N, H), device=device)
+    keep = torch.zeros(N, dtype=torch.bool, device=device)
+    keep[rows] = True
+    m &= keep[:, None]
+    loss = 2.5 * sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, m, normalize="topk", temperature=1.3,
+                                                     reduction="sum")
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    p64 = [leaf(h.detach()[rows].double()), leaf(w.double())]
+    want = grads(2.5 * ref.topk_kd_loss_from_hidden(p64[0], p64[1], ids[rows], t[rows].double(), m[rows],
+                                                    normalize="topk", temperature=1.3, reduction="sum")[0], p64)
+    compare([loss, gh[rows], gw], want, dtype, ["loss", "grad_hidden", "grad_weight"], scale=2)
+    assert torch.count_nonzero(gh.index_fill_(0, rows, 0)) == 0, "grad_hidden rows of fully masked tokens"
+
+
+def _need_gpu_memory(gib):
+    free, _ = torch.cuda.mem_get_info()
+    if free < gib * 2**30:
+        pytest.skip(f"needs {gib} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", ["topk", "tail"])
+def test_gpu_from_logits_past_2_32(normalize):
+    """z [28250, 152064] bf16 (Qwen2 vocabulary): 4.30e9 elements, rows from 14123 start past 2^31 and
+    from 28245 past 2^32. About 17.2 GB (z and its gradient, 8.6 GB each)."""
+    _need_gpu_memory(20)
+    _check_logits_rows(28250, 64, 152064, normalize, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_from_hidden_head_past_2_32():
+    """LM head [262400, 16384] bf16: 4.30e9 elements, rows from 131072 start at or past 2^31 and from 262144
+    past 2^32. About 21.5 GB (W and grad_weight, 8.6 GB each, and a 4.3 GB mask in the zero check)."""
+    _need_gpu_memory(24)
+    _check_hidden_wide_head(64, 32, 262400, 16384, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_from_hidden_tokens_past_2_32():
+    """hidden [524300, 8192] bf16: 4.30e9 elements, tokens from 262144 start at or past 2^31 and from
+    524288 past 2^32. About 21.5 GB (hidden and grad_hidden, 8.6 GB each, and a 4.3 GB mask in the
+    zero check)."""
+    _need_gpu_memory(24)
+    _check_hidden_long(524300, 8, 4096, 8192, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("check,args", [
+    (_check_logits_rows, (7, 3, 37, "tail")),
+    (_check_hidden_wide_head, (5, 6, 37, 12)),
+    (_check_hidden_long, (9, 3, 11, 12)),
+], ids=["logits", "hidden-head", "hidden-tokens"])
+def test_offset_checks_small(check, args):
+    """The checks of the GPU tests above at a tiny size, so that they stay runnable (no row here is
+    past 2^31)."""
+    check(*args, torch.float32, DEVICE)
+
+
 @pytest.mark.parametrize("normalize", NORMS)
 def test_empty_batch(normalize):
     """N = 0: loss 0 and zero (not NaN) gradients, so an empty shard cannot poison an all-reduce."""

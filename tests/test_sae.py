@@ -594,6 +594,7 @@ def test_bench_cli_without_gpu_runs_correctness_check():
     pytest.param(37, 50, 5, 100, id="B37-K50-F5-D100"),
     pytest.param(1000, 3, 1000, 1, id="B1000-K3-F1000-D1"),
     pytest.param(333, 64, 4099, 777, id="B333-K64-F4099-D777"),
+    pytest.param(64, 1000, 5000, 300, id="B64-K1000-F5000-D300"),
 ])
 def test_gpu_matches_fp64_reference(op, dtype, B, K, F, D):
     check_against_fp64(op, *make(B, K, F, D, dtype), dtype)
@@ -631,6 +632,63 @@ def test_gpu_more_than_2_31_weight_elements(op, layout, dtype):
     assert not got[1][untouched].any()
     assert_close(got[2], want[2], dtype, "grad_vals")
     assert_close(got[3], want[3], dtype, "grad_bias")
+
+
+_BD = 2**31 // 64 + 4099  # rows of 64 columns: B * D > 2^31
+_BKD = 2**31 // (16 * 64) + 4099  # rows of 16 latents and 64 columns: B * K * D > 2^31 staged elements
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,dtype,deterministic,B,K", [
+    pytest.param("decode", torch.float32, False, _BD, 2, id="decode-fp32-BD"),
+    pytest.param("topk", torch.float32, False, _BD, 2, id="topk-fp32-BD"),
+    pytest.param("hierarchical", torch.float32, False, _BD, 2, id="hierarchical-fp32-BD"),
+    pytest.param("hierarchical", torch.bfloat16, False, _BD, 2, id="hierarchical-bf16-BD"),
+    pytest.param("hierarchical", torch.float32, True, _BKD, 16, id="hierarchical-fp32-deterministic-BKD"),
+])
+def test_gpu_more_than_2_31_batch_elements(op, dtype, deterministic, B, K):
+    """B * D > 2^31 (the target, the residual, E_0, the decode's output and its incoming gradient), and
+    for the deterministic hierarchical loss B * K * D > 2^31 staged gradient rows: every row offset
+    must be 64-bit. The float64 reference runs a chunk of rows at a time; the chunk that holds the
+    last rows (offsets past 2^31) is compared on its own too, so a wrapped offset cannot hide in a
+    norm over all rows."""
+    F, D, chunk = 65536, 64, 1 << 20
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(0, F, (B, K), device="cuda", generator=g, dtype=torch.int32)
+    weight = torch.randn(F, D, device="cuda", generator=g).to(dtype).requires_grad_()
+    vals = torch.rand(B, K, device="cuda", generator=g).sort(dim=1, descending=True).values.to(dtype).requires_grad_()
+    bias = torch.randn(D, device="cuda", generator=g).to(dtype).requires_grad_()
+    target = None if op == "decode" else torch.randn(B, D, device="cuda", generator=g).to(dtype)
+    grad_out = torch.randn(B, D, device="cuda", generator=g) if op == "decode" else None
+    kw = {"deterministic": True} if deterministic else {}
+    if op == "decode":
+        out = sparsefuse.sae_decode(idx, vals, weight, bias)
+    else:
+        out = OPS[op][0](idx, weight, vals, bias, target, **kw)
+    got = [out.detach(), *torch.autograd.grad(out, (weight, vals, bias), grad_out)]
+    del out
+
+    w64, b64 = weight.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    loss64, gvals64 = 0.0, torch.empty(B, K, device="cuda", dtype=torch.float64)
+    for s in range(0, B, chunk):
+        e = min(s + chunk, B)
+        v64 = vals.detach()[s:e].double().requires_grad_()
+        if op == "decode":
+            o64 = ref.sae_decode(idx[s:e], v64, w64, b64)
+            assert_close(got[0][s:e], o64, dtype, f"decode rows {s}..{e}")
+            o64.backward(grad_out[s:e].double())
+        else:  # each chunk's mean, weighted by its share of the rows
+            o64 = OPS[op][1](idx[s:e], w64, v64, b64, target[s:e].double()) * ((e - s) / B)
+            o64.backward()
+            loss64 += o64.detach()
+        gvals64[s:e] = v64.grad
+    tail = slice(B - chunk, B)
+    assert_close(got[2][tail], gvals64[tail], dtype, "grad_vals (last rows)")
+    if op != "decode":
+        assert_close(got[0], loss64, dtype, "value")
+    assert_close(got[1], w64.grad, dtype, "grad_weight")
+    assert_close(got[2], gvals64, dtype, "grad_vals")
+    assert_close(got[3], b64.grad, dtype, "grad_bias")
 
 
 @pytest.mark.gpu

@@ -900,3 +900,186 @@ def test_gpu_quantize_and_step(dtype):
     for _ in range(3):
         out, codes, loss = vq(x.float())
     assert torch.isfinite(vq.codebook).all() and torch.isfinite(loss)
+
+
+# --- GPU tier: element offsets past 2^31 --------------------------------------------------------------------
+# x of B * D = 2^31 + 2^19 bf16 / fp16 elements (4 GiB; the last 4096 rows lie past 2^31) starts 2^31
+# elements into one buffer whose first 2^31 elements (the guard) hold known rows. A kernel that computed
+# an element offset o >= 2^31 in int32 would wrap it to o - 2^32, i.e. buffer element o - 2^31: inside the
+# guard, so a checked row would read a guard row (a different, recognisable one) instead of its own. Each
+# case checks a handful of rows past 2^31 against float64, and every row past 2^31 against its known value.
+
+_BIG_D = 128
+_BIG_GUARD = 1 << 31
+_BIG_ROWS = (_BIG_GUARD + (1 << 19)) // _BIG_D
+
+
+@pytest.fixture
+def big_gpu():
+    """Skip without the ~17 GiB the largest of these cases takes; hand the memory back afterwards."""
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if free < (20 << 30):
+        pytest.skip(f"needs 20 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    yield
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _guarded(shape, dtype, guard_row, guard, device):
+    """A contiguous tensor of ``shape`` that starts ``guard`` elements into one buffer whose first
+    ``guard`` elements repeat ``guard_row`` (``[shape[-1]]``)."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.empty(guard + n, device=device, dtype=dtype)
+    buf[:guard].view(-1, shape[-1]).copy_(guard_row)
+    return buf[guard:].view(shape)
+
+
+def _tail_rows(B, first, device):
+    """A handful of row ids in [first, B): first rows past the boundary, the middle, the last."""
+    return torch.tensor(sorted({first, first + 1, (first + B) // 2, B - 2, B - 1}), device=device)
+
+
+def _others(B, first, rows, device):
+    """Mask over rows [first, B) of those not in ``rows``."""
+    m = torch.ones(B - first, dtype=torch.bool, device=device)
+    m[rows - first] = False
+    return m
+
+
+def _run_big_nearest_code(dtype, cosine, B, D, guard, device):
+    K = 64
+    g = torch.Generator(device=device).manual_seed(0)
+    c = torch.randn(K, D, device=device, generator=g).to(dtype)
+    x = _guarded((B, D), dtype, c[0], guard, device)  # guard rows: code 0
+    x.copy_(c[1])  # every row: code 1 ...
+    first = guard // D
+    rows = _tail_rows(B, first, device)
+    want = torch.arange(2, 2 + len(rows), device=device)  # ... but the checked ones: codes 2, 3, ...
+    x[rows] = (c[want].float() + 0.1 * torch.randn(len(rows), D, device=device, generator=g)).to(dtype)
+    codes, dist = nearest_code(x, c, cosine=cosine)
+    assert_search(x[rows], c, codes[rows], dist[rows], cosine, tol=2e-3)
+    assert torch.equal(codes[rows], want)
+    assert (codes[first:][_others(B, first, rows, device)] == 1).all()
+
+
+def _run_big_quantize(B, D, guard, device):
+    K, beta, bf16 = 64, 0.25, torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(1)
+    cq = torch.randn(K, D, device=device, generator=g).to(bf16)
+    c = cq.float()  # fp32 codebook of bf16 values: out is exact whatever the rounding
+    x = _guarded((B, D), bf16, cq[0], guard, device)  # guard rows: code 0
+    x.copy_(cq[1])  # every row is exactly code 1 (no loss) ...
+    codes = torch.ones(B, dtype=torch.int64, device=device)
+    first = guard // D
+    rows = _tail_rows(B, first, device)
+    want = torch.arange(2, 2 + len(rows), device=device)  # ... but the checked ones: near codes 2, 3, ...
+    codes[rows] = want
+    x[rows] = (c[want] + 0.5 * torch.randn(len(rows), D, device=device, generator=g)).to(bf16)
+    x.requires_grad_()
+    out, loss = quantize(x, codes, c, beta)
+    others = _others(B, first, rows, device)
+    assert torch.equal(out[rows], cq[want])
+    assert (out[first:][others] == cq[1]).all()
+    xr, qr = x.detach()[rows].double(), cq[want].double()
+    assert_close(loss, beta * (xr - qr).square().sum() / (B * D), torch.float32, "loss")  # only they add to it
+    # grad_out = x itself (no third big buffer), grad_loss = B * D: grad_x = x + 2 beta (x - out)
+    (gx,) = torch.autograd.grad((out, loss), x, (x.detach(), torch.tensor(float(B * D), device=device)))
+    assert_close(gx[rows], xr + 2 * beta * (xr - qr), bf16, "grad_x")
+    assert torch.equal(gx[first:][others], x.detach()[first:][others])
+
+
+def _big_ema_reference(x, codes, state, key, decay, threshold):
+    """Float64 reference of a laplace update (default eps, reset = threshold, no counters) of stacked
+    x [L, B, D], without a float64 copy of x or a one-hot: (state, sums, dead, restart rows)."""
+    cb, cs, es = (t.double() for t in state)
+    L, K, D = cb.shape
+    B = x.shape[1]
+    n = torch.stack([torch.bincount(codes[i], minlength=K) for i in range(L)]).double()
+    s = torch.zeros(L, K, D, dtype=torch.float64, device=x.device)
+    step = 1 << 20
+    for i in range(L):
+        for j in range(0, B, step):
+            s[i].index_add_(0, codes[i, j:j + step], x[i, j:j + step].double())
+    dead = reference._blend_and_refresh(n, s, cb, cs, es, None, decay, False, 1e-5, threshold, 0)
+    rank = dead.long().cumsum(1) - 1
+    rows = reference.restart_rows(key[:, None, :], rank.clamp_min(0) % B, B)  # [L, K]
+    v = torch.stack([x[i, rows[i]] for i in range(L)]).double()
+    cb.copy_(torch.where(dead[..., None], v, cb))
+    es.copy_(torch.where(dead[..., None], v * threshold, es))
+    cs.copy_(torch.where(dead, torch.full_like(cs, threshold), cs))
+    return (cb, cs, es), n, s, dead, rows
+
+
+def _run_big_ema(L, deterministic, B, D, guard, device, K=4096, bulk=512):
+    """Codes 0..4 take one checked row past the boundary each (last level), codes 8 .. 8 + bulk the
+    other rows (row r: 8 + r % bulk), the rest are unused and restart (laplace, cluster size 0).
+    Rows hold their id's bytes in dims 0..2, so every sum is an integer below 2^24 (exact in fp32
+    in any order) and every row is recognisable; the guard holds -3."""
+    bf16, decay, threshold = torch.bfloat16, 0.9, 0.5
+    g = torch.Generator(device=device).manual_seed(2)
+    x = _guarded((L, B, D), bf16, torch.full((D,), -3.0, device=device), guard, device)
+    x.zero_()
+    ids = torch.arange(B, device=device)
+    for j in range(3):
+        x[..., j] = ((ids >> (8 * j)) & 255).to(bf16)
+    for i in range(L):
+        x[i, :, 3] = i + 1
+    codes = (8 + ids % bulk).expand(L, B).contiguous()
+    first = guard // D - (L - 1) * B  # rows of the last level past the boundary
+    rows = _tail_rows(B, first, device)
+    codes[-1, rows] = torch.arange(len(rows), device=device)
+    x[-1, rows] = torch.randn(len(rows), D, device=device, generator=g).to(bf16)
+    cb = torch.randn(L, K, D, device=device, generator=g)
+    cs = torch.zeros(L, K, device=device)
+    cs[:, :8 + bulk] = 1.0
+    state = [cb, cs, cb * cs[..., None]]
+    # a generator seed that restarts some code of the last level from a row past the boundary
+    n_dead = K - 8 - bulk
+    for seed in range(64):
+        key = reference.draw_key(L, device, torch.Generator(device=device).manual_seed(seed))
+        if (reference.restart_rows(key[-1], torch.arange(n_dead, device=device), B) >= first).any():
+            break
+    else:
+        pytest.fail("no seed restarts a code from a row past the boundary")
+    want, n_want, s_want, dead, restart = _big_ema_reference(x, codes, state, key, decay, threshold)
+    one = (lambda t: t[0]) if L == 1 else (lambda t: t)  # one level: the unstacked [B, D] path
+
+    n, s = batch_statistics(one(x), one(codes), K, deterministic=deterministic)
+    assert torch.equal(one(n_want).float(), n), "counts differ"
+    assert torch.equal(one(s_want).float(), s), "sums differ"  # exact: integer sums, single rows
+
+    got = [t.clone() for t in state]
+    vq_ema_update(one(x), one(codes), *(one(t) for t in got), decay=decay, semantics="laplace", threshold=threshold,
+                  generator=torch.Generator(device=device).manual_seed(seed), deterministic=deterministic)
+    for name, a, b in zip(("codebook", "cluster_size", "embed_sum"), got, want):
+        assert_close(a, b, torch.float32, name)
+        assert_close(a[-1, :len(rows)], b[-1, :len(rows)], torch.float32, name + " of the checked rows' codes")
+    hit = dead[-1] & (restart[-1] >= first)
+    assert hit.any()
+    assert torch.equal(got[0][-1][hit], x[-1, restart[-1][hit]].float()), "restart rows differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,cosine", [(torch.bfloat16, False), (torch.float16, True)], ids=["bf16", "fp16-cos"])
+def test_gpu_nearest_code_offsets_past_2_31(dtype, cosine, big_gpu):
+    """x [2^24 + 2^12, 128] past 2^31 elements: 8 GiB with the guard."""
+    _run_big_nearest_code(dtype, cosine, _BIG_ROWS, _BIG_D, _BIG_GUARD, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_offsets_past_2_31(big_gpu):
+    """Forward and backward, bf16 x [2^24 + 2^12, 128]: 8 GiB with the guard, out and grad_x 4 GiB each."""
+    _run_big_quantize(_BIG_ROWS, _BIG_D, _BIG_GUARD, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "sorted"])
+@pytest.mark.parametrize("L", [1, 2], ids=["one-level", "two-levels"])
+def test_gpu_ema_update_offsets_past_2_31(L, deterministic, big_gpu):
+    """batch_statistics and vq_ema_update (restarts included), bf16 x [L, B, 128] with L * B * 128 =
+    2^31 + 2^19 (one level, or two whose second runs past 2^31): 8 GiB with the guard, ~10 GiB peak."""
+    _run_big_ema(L, deterministic, _BIG_ROWS // L, _BIG_D, _BIG_GUARD, "cuda")

@@ -17,6 +17,13 @@ per-slot corrections; every entry point calls it:
   cross-entropy never touches V: ``_kd_hidden_topk_kernel`` gathers the K weight rows per token.
   Gradients are computed in the forward for an incoming gradient of 1 and rescaled in the backward
   (``_kd_rescale_kernel``, a no-op on the device when the incoming gradient is 1).
+
+Offsets: logits [N, V], the LM head [V, H] and hidden states [N, H] can each pass 2^31 elements
+(16384 x 152064 logits; a 152064 x 16384 head). Program indices are int32 and a row stride below
+2^31 is an int32 argument, so every row or token index is made int64 before it is multiplied by a
+row length (``program_id(..).to(tl.int64)``; ids, sort entries and labels are loaded or cast to
+int64); tile offsets within a row (``o_v``, ``o_h``, ``o_k``) stay int32. The GPU tests
+``test_gpu_*_past_2_32`` (tests/test_kd.py) cover each case past 2^31 and 2^32.
 """
 
 from __future__ import annotations

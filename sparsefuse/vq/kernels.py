@@ -24,6 +24,11 @@ EMA update, two kernels (three under DDP), no B x K one-hot, no host sync:
 Nearest-code search: ``_nearest_code_kernel`` keeps a block of rows on chip and walks the codebook
 in tiles, computing ||c||^2 - 2 x.c with ``tl.dot`` and keeping a running (min, argmin) per row: the
 B x K matrix never exists.
+
+Offsets: x ([L, B, D] or [B, D]) may pass 2^31 elements, so every program index (and every row or code
+index loaded from memory) is int64 before it multiplies a row length or stride; the one int32 product
+left is the search's codebook tile offset ``o_k * stride_ck``, exact while K * stride_ck < 2^31. The GPU
+tests ``test_gpu_*_offsets_past_2_31`` check rows past 2^31 elements.
 """
 
 from __future__ import annotations
