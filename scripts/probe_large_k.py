@@ -1,5 +1,6 @@
 """Does every SAE op work at large K (K = 2048, 4096, 8192) on a GPU? Each op's forward and
-gradients against float64, with the relative error, the step time, or the exception."""
+gradients against float64 (relative errors), the first call's time (compiles included) and a second
+call's, or the exception."""
 import json
 import os
 import sys
@@ -23,6 +24,10 @@ for K in (2048, 4096, 8192):
                 got = value_and_grads(OPS[op][0], *args)
                 torch.cuda.synchronize()
                 rec["first_call_s"] = time.perf_counter() - t
+                t = time.perf_counter()
+                value_and_grads(OPS[op][0], *args)
+                torch.cuda.synchronize()
+                rec["second_call_s"] = time.perf_counter() - t
                 want = value_and_grads(OPS[op][1], args[0], *(a.double() for a in args[1:]))
                 rec["rel_err"] = [rel_err(a, b) for a, b in zip(got, want)]
             except Exception as e:  # noqa: BLE001

@@ -5,8 +5,8 @@ small per-step kernels (the EMA update: about 25 arguments, microseconds of devi
 work was most of an update's time (about 45 us a launch on an H200 host), and SAE training steps
 at K <= 64 were host-bound for the same reason. :func:`launch` keys a cache of
 compiled kernels by exactly what Triton specialises on (pointer dtype and 16-byte alignment; for an
-integer, whether it is 1, divisible by 16, and fits in 32 bits, or only the last for parameters
-marked ``do_not_specialize``; None; constexpr values; device), so
+integer, whether it is 1, divisible by 16, and its type (i32, i64, or u64 from 2^63), or only its
+type for parameters marked ``do_not_specialize``; None; constexpr values; device), so
 a cached kernel is only reused where Triton would have picked the same one, and launched the way
 ``JITFunction.run`` launches it (same stream, metadata and hooks). The interpreter takes the
 ordinary path.
@@ -32,6 +32,7 @@ _NOSPEC: dict = {}
 #: ``SPARSEFUSE_FAST_LAUNCH=0`` sends every launch through ``kernel[grid](...)``.
 FAST = os.environ.get("SPARSEFUSE_FAST_LAUNCH", "1") != "0"
 _I32 = 2**31
+_I64 = 2**63
 
 
 def _arg_key(a):
@@ -39,11 +40,19 @@ def _arg_key(a):
         return a.dtype, a.data_ptr() % 16 == 0
     if a is None or isinstance(a, bool):
         return a
-    if isinstance(a, int):
-        return a == 1, a % 16 == 0, -_I32 <= a < _I32
+    if isinstance(a, int):  # Triton's integer types: i32, else i64, else (from 2^63) u64
+        return a == 1, a % 16 == 0, -_I32 <= a < _I32, a >= _I64
     if isinstance(a, float):
         return float
     return a
+
+
+def _nospec_key(a):
+    """The key of an argument of a ``do_not_specialize`` parameter: an integer's type only (not its
+    value); anything else (a float, bool, None) is typed as elsewhere."""
+    if type(a) is int:
+        return -_I32 <= a < _I32, a >= _I64
+    return _arg_key(a)
 
 
 def _hooked(hook) -> bool:
@@ -65,17 +74,24 @@ def next_pow2(n: int) -> int:
 
 def launch(fn, grid, args, meta, num_warps, num_stages=None):
     """``fn[grid](*args, **meta, num_warps=num_warps)``; ``meta`` holds the constexpr arguments, which
-    follow ``args`` in the kernel's signature."""
+    follow ``args`` in the kernel's signature. Launched on the device of ``args[0]`` (Triton itself
+    launches on the current device, and custom ops set no device guard)."""
     opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
-    if INTERPRET or not FAST or not args[0].is_cuda:
+    if INTERPRET or not args[0].is_cuda:
+        fn[grid](*args, **meta, **opts)
+        return
+    dev = torch.cuda.current_device()
+    if args[0].get_device() != dev:  # Triton launches on the current device: make it the tensors' one
+        with torch.cuda.device(args[0].get_device()):
+            return launch(fn, grid, args, meta, num_warps, num_stages)
+    if not FAST:
         fn[grid](*args, **meta, **opts)
         return
     nospec = _NOSPEC.get(fn)
     if nospec is None:
         nospec = _NOSPEC[fn] = frozenset(i for i, p in enumerate(fn.params) if p.do_not_specialize)
-    dev = torch.cuda.current_device()
     if nospec:
-        arg_keys = tuple((-_I32 <= a < _I32) if i in nospec else _arg_key(a) for i, a in enumerate(args))
+        arg_keys = tuple(_nospec_key(a) if i in nospec else _arg_key(a) for i, a in enumerate(args))
     else:
         arg_keys = tuple(map(_arg_key, args))
     key = (fn, dev, num_warps, num_stages, tuple(meta.items()), arg_keys)
@@ -85,14 +101,15 @@ def launch(fn, grid, args, meta, num_warps, num_stages=None):
         return
     all_args = (*args, *(meta[name] for name in fn.arg_names[len(args):]))
     stream = _current_stream(dev)
+    n = len(grid)
+    g1, g2 = (grid[1] if n > 1 else 1), (grid[2] if n > 2 else 1)
     rt = knobs.runtime
     enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
     if _hooked(enter) or _hooked(leave):  # a profiler's hooks: launched exactly as Triton launches
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *all_args), enter, leave, *all_args)
     else:  # no hooks: no launch metadata to build and no empty hook chains to call (a few us a launch)
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
-                   None, None, None, *all_args)
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *all_args)
 
 
 _TUNED: dict = {}
@@ -105,6 +122,10 @@ def launch_tuned(tuner, grid_fn, args, meta, tune_key):
     (its key arguments and the dtypes of the tensors)."""
     cfg = _TUNED.get(tune_key)
     if cfg is None or INTERPRET or not FAST:
+        a0 = args[0]
+        if not INTERPRET and a0.is_cuda and a0.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(a0.get_device()):  # as in launch()
+                return launch_tuned(tuner, grid_fn, args, meta, tune_key)
         tuner[grid_fn](*args, **meta)
         if not INTERPRET:
             _TUNED[tune_key] = tuner.best_config

@@ -15,10 +15,10 @@ kernels of a small step. So in plain eager mode (no ``torch.compile`` tracing, n
 plain tensors) the returned op calls the same implementation directly, with the same
 ``setup_context`` / ``backward`` wrapped in an ``autograd.Function``, and bumps the version
 counters of the arguments it mutates as the dispatcher would (so autograd still refuses a tensor
-saved for backward and then changed in place). Anything else (compile, ``opcheck``, fake or
-functional tensors, functorch transforms) goes through the registered op. The VQ and KD public
-functions, which keep their own eager paths, use the same two helpers: :func:`plain_eager` and
-:func:`bump_versions`.
+saved for backward and then changed in place). Anything else (compile, ``torch.jit.trace``,
+``opcheck``, fake or functional tensors, functorch transforms) goes through the registered op. The
+VQ and KD public functions, which keep their own eager paths, use the same two helpers:
+:func:`plain_eager` and :func:`bump_versions`.
 """
 
 from __future__ import annotations
@@ -126,9 +126,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def plain_eager(args) -> bool:
-    """Cheap (it runs on every call): no tracing, no dispatch mode, no functorch transform, and
-    every tensor argument a plain CPU or CUDA tensor."""
+    """Cheap (it runs on every call): no tracing (Dynamo or ``torch.jit.trace``), no dispatch mode,
+    no functorch transform, and every tensor argument a plain CPU or CUDA tensor."""
     if torch.compiler.is_compiling():  # first: Dynamo must not trace the checks below
+        return False
+    if torch._C._get_tracing_state() is not None:  # torch.jit.trace records the op, not its launches
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False

@@ -36,3 +36,18 @@ def test_host_profile_reports_the_profiled_function():
     harness.host_profile(step_under_profile, n=7, top=5, stream=out)
     assert len(calls) == 7
     assert "step_under_profile" in out.getvalue() and "7 " in out.getvalue()
+
+
+def _result(provider, ms, mode):
+    return harness.Result(op="op", provider=provider, shape={"K": 8}, dtype="fp32", mode=mode, ms=ms, ms_q20=ms,
+                          ms_q80=ms, peak_extra_mib=1.0, gpu="GPU")
+
+
+def test_speedup_table_footer_describes_the_mode_it_shows():
+    """A forward-only table must not say its times are forward + backward (the VQ EMA and search
+    tables in README.md did: "mode `fwd` (forward + backward unless stated)")."""
+    fwd = harness.speedup_table([_result("sparsefuse", 1.0, "fwd"), _result("torch", 2.0, "fwd")], mode="fwd")
+    assert "**2.00×**" in fwd
+    assert "forward + backward" not in fwd and "gradients included" not in fwd
+    full = harness.speedup_table([_result("sparsefuse", 1.0, "full"), _result("torch", 3.0, "full")], mode="full")
+    assert "**3.00×**" in full and "forward + backward" in full

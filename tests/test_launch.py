@@ -1,8 +1,9 @@
 """The shared low-overhead launcher (``sparsefuse._launch.launch``).
 
-CPU tier: under the interpreter it is ``kernel[grid](...)``. GPU tier: a cached launch must pick
-the kernel Triton would have picked (dtype, 16-byte alignment, integer specialisation) and must
-still call a profiler's launch hooks when some are installed.
+CPU tier: under the interpreter it is ``kernel[grid](...)``; the cached path runs against a stand-in
+JIT function whose kernels remember Triton's specialisation of their arguments. GPU tier: a cached
+launch must pick the kernel Triton would have picked (dtype, 16-byte alignment, integer
+specialisation) and must still call a profiler's launch hooks when some are installed.
 """
 
 import pytest
@@ -70,3 +71,194 @@ def test_gpu_cached_launch_calls_installed_hooks():
     _run(x, 2, 1.0)
     torch.cuda.synchronize()
     assert seen == ["_axpb_kernel"]
+
+
+# --- the cached path on the CPU: a stand-in JIT function whose "compiled kernels" remember Triton's
+# own specialisation of the arguments they were compiled for (triton's native_specialize_impl), so a
+# cached launch that reuses a kernel compiled for different argument types is caught without a GPU.
+
+from types import SimpleNamespace  # noqa: E402
+
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+from sparsefuse import _launch  # noqa: E402
+
+
+class _Ptr:
+    """The first argument: launch() only asks it whether it is on CUDA, and on which device."""
+
+    is_cuda = True
+
+    def __init__(self, device=0):
+        self.device = device
+
+    def get_device(self):
+        return self.device
+
+
+class _FakeJIT:
+    def __init__(self, names, nospec, n_constexpr):
+        self.arg_names = list(names)
+        self.params = [SimpleNamespace(do_not_specialize=n in nospec) for n in names]
+        self.n_args = len(names) - n_constexpr
+        self.launched = []  # (grid as launched, specialisation of the kernel, specialisation of the args)
+        self.devices = []  # the current device at each launch
+
+    def spec(self, all_args):
+        out = []
+        for i, (p, a) in enumerate(zip(self.params, all_args)):
+            if isinstance(a, _Ptr):
+                out.append("ptr")
+            elif i >= self.n_args:
+                out.append(("constexpr", a))
+            else:
+                out.append(native_specialize_impl(BaseBackend, a, False, not p.do_not_specialize, True))
+        return tuple(out)
+
+    def __getitem__(self, grid):
+        fn = self
+
+        class Kernel:
+            function = packed_metadata = None
+
+            def __init__(self, spec):
+                self.spec = spec
+
+            def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *all_args):
+                fn.launched.append(((g0, g1, g2), self.spec, fn.spec(all_args)))
+                fn.devices.append(torch.cuda.current_device())
+
+        def run(*args, **meta):
+            all_args = (*args, *(meta[n] for n in self.arg_names[len(args):]))
+            kernel = Kernel(self.spec(all_args))
+            kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, None, None, None,
+                       None, None, None, *all_args)
+            return kernel
+
+        return run
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    """launch() as on a GPU: cache on, no interpreter, device 0, stream 0."""
+    monkeypatch.setattr(_launch, "INTERPRET", False)
+    monkeypatch.setattr(_launch, "FAST", True)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    monkeypatch.setattr(_launch, "_NOSPEC", {})
+    monkeypatch.setattr(_launch, "_current_stream", lambda dev: 0)
+    current = [0]
+
+    class device:  # torch.cuda.device
+        def __init__(self, idx):
+            self.idx = idx
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.idx
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+
+def _launch_all(fn, calls, grid=(3,)):
+    ptr = _Ptr()  # one object: the key of anything but a tensor, int, float, bool or None is the object
+    for args in calls:
+        _launch.launch(fn, grid, (ptr, *args), dict(BLOCK=64), 4)
+    for launched_grid, kernel_spec, args_spec in fn.launched:
+        assert kernel_spec == args_spec, f"a kernel compiled for {kernel_spec} was launched with {args_spec}"
+    assert len(fn.launched) == len(calls)
+
+
+def test_cached_launch_separates_i64_from_u64_integers(fast_path):
+    """Triton types an integer i32, i64, or u64 (>= 2^63); a cached i64 kernel handed 2^63 + 16
+    fails to pack it (OverflowError on a GPU)."""
+    fn = _FakeJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
+    _launch_all(fn, [(2**40, 2**40), (2**63 + 16, 2**40), (2**40, 2**63 + 16), (2**40, 2**40)])
+
+
+def test_cached_launch_do_not_specialize_arguments_keep_their_type(fast_path):
+    """A do_not_specialize parameter is not specialised on its value, but Triton still types it: an
+    int (i32), a float (fp32), a bool (u1) and None (constexpr) each need their own kernel; the key
+    used to call all of the first three "fits in 32 bits" (an i32 kernel then got the float: a
+    TypeError on a GPU) and crashed on None."""
+    fn = _FakeJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
+    _launch_all(fn, [(8, 3), (8, 2.5), (8, True), (8, None), (8, 3), (8, 2.5)])
+
+
+def test_cached_launch_keeps_the_third_grid_axis(fast_path):
+    fn = _FakeJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
+    _launch_all(fn, [(8, 3), (8, 3)], grid=(2, 3, 4))
+    assert [g for g, _, _ in fn.launched] == [(2, 3, 4), (2, 3, 4)]
+
+
+def test_launch_keys_never_merge_arguments_that_triton_specialises_apart(fast_path):
+    """Every pair of scalar arguments that share a launcher key gets the same Triton specialisation,
+    for specialised and ``do_not_specialize`` parameters alike."""
+    x = torch.zeros(8)
+    values = [0, 1, 2, 16, 17, -1, -16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**32, 2**63 - 1, 2**63, 2**63 + 16,
+              2**64 - 1, 0.0, 1.0, 2.5, True, False, None, x, x[1:], x.double(), x.to(torch.bfloat16)]
+    for nospec in (False, True):
+        fn = _FakeJIT(["p", "a", "BLOCK"], nospec={"a"} if nospec else set(), n_constexpr=1)
+        calls = [(v,) for v in values] + [(v,) for v in reversed(values)]
+        _launch_all(fn, calls)
+
+
+# --- the eager fast path (sparsefuse/_registry.py): anything but plain eager takes the registered op
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit.trace` is deprecated")
+def test_jit_trace_records_the_registered_op():
+    """Under ``torch.jit.trace`` sizes are traced tensors and a Triton launch is invisible to the
+    tracer: the fast path crashed under the interpreter (and would leave the op out of the graph on a
+    GPU); the registered op is recorded as one node and replays with new inputs."""
+    from sparsefuse import sae_decode
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 8, generator=g)
+    idx = torch.randint(0, 16, (4, 3), generator=g)
+
+    def decode(vals, idx):
+        return sae_decode(idx, vals, weight)
+
+    traced = torch.jit.trace(decode, (torch.randn(4, 3, generator=g), idx), check_trace=False)
+    assert "sparsefuse::sae_decode" in str(traced.graph)
+    vals = torch.randn(4, 3, generator=g)
+    torch.testing.assert_close(traced(vals, idx), decode(vals, idx))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_launch_runs_on_the_device_of_the_tensors(fast_path, monkeypatch, fast):
+    """Triton launches on the current device; tensors on another one failed there with Triton's
+    "Pointer argument cannot be accessed from Triton (cpu tensor?)" (custom ops set no device guard),
+    so launch() makes their device current for the launch."""
+    monkeypatch.setattr(_launch, "FAST", fast)
+    fn = _FakeJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
+    ptr = _Ptr(device=1)
+    for _ in range(2):  # compiled, then cached
+        _launch.launch(fn, (3,), (ptr, 8, 3), dict(BLOCK=64), 4)
+    assert fn.devices == [1, 1] and torch.cuda.current_device() == 0
+
+
+def test_launch_tuned_runs_on_the_device_of_the_tensors(fast_path):
+    fn = _FakeJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
+    tuned_on = []
+
+    class Tuner:  # triton.autotune's Autotuner: tunes (here: picks) on the current device, then launches
+        best_config = None
+
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid_fn):
+            def run(*args, **meta):
+                tuned_on.append(torch.cuda.current_device())
+                self.best_config = triton.Config(dict(BLOCK=64), num_warps=4, num_stages=2)
+            return run
+
+    tuner, ptr = Tuner(fn), _Ptr(device=1)
+    for _ in range(2):  # tuned, then the pick launched through launch()
+        _launch.launch_tuned(tuner, lambda meta: (3,), (ptr, 8, 3), {}, ("tuned", 1))
+    assert tuned_on == [1] and fn.devices == [1] and torch.cuda.current_device() == 0

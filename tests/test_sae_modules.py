@@ -279,3 +279,51 @@ def test_training_steps_fused_equal_reference_module(hierarchical):
             m.normalize_decoder_()
     for (name, p), q in zip(got.named_parameters(), want.parameters()):
         assert_close(p, q, torch.float64, name, scale=1e3)
+
+
+# --- review fixes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_empty_batch_is_finite(hierarchical, encoder):
+    """B = 0 (an empty data-parallel shard): losses 0 and zero gradients, not NaN, with AuxK on dead
+    latents and with the default (batch) variance alike."""
+    m = _model(hierarchical, dtype=torch.float32, encoder=encoder, dead_tokens=10)
+    m.tokens_since_fired[::2] = 100
+    for variance in (None, 2.0):
+        out = m(_x(torch.float32, rows=0), variance)
+        out.loss.backward()
+        for name in ("loss", "recon_loss", "auxk_loss"):
+            assert float(getattr(out, name)) == 0.0, f"{name} with variance={variance}"
+        for name, p in m.named_parameters():
+            assert torch.equal(p.grad, torch.zeros_like(p)), f"grad {name} with variance={variance}"
+            p.grad = None
+
+
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_input_dtype_other_than_parameters(encoder):
+    """``x`` may have any float dtype (forward's docstring): float32 parameters take float64
+    activations, the encoder running in the parameters' dtype, as ``fvu_curve`` already did."""
+    m = _model(True, dtype=torch.float32, encoder=encoder, dead_tokens=10)
+    m.tokens_since_fired[::3] = 100
+    x = _x(torch.float32)
+    want, got = m(x), m(x.double())
+    assert torch.equal(got.indices, want.indices)
+    for name in ("loss", "recon_loss", "auxk_loss"):
+        assert_close(getattr(got, name), getattr(want, name), torch.float32, name)
+    assert torch.equal(m.pre_acts(x.double()), m.pre_acts(x))
+
+
+def test_bf16_parameters_take_fp32_input():
+    """A bf16 module (the benchmark's) fed float32 activations: same code as bf16 activations of the
+    same values (reference decoder and dense encoder: plain PyTorch, no interpreter in bfloat16)."""
+    m = _model(False, "reference", dtype=torch.bfloat16)
+    x = _x(torch.bfloat16)
+    want, got = m(x), m(x.float())
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.vals, want.vals)
+    assert_close(got.loss, want.loss, torch.bfloat16, "loss")
+
+
+def test_default_k_aux_with_d_model_1():
+    assert TopKSAE(1, 4, 1).config["k_aux"] == 1

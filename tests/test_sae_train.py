@@ -81,6 +81,7 @@ def _write(tmp_path, name, x):
     ("nan", "contain 2 non-finite values"),
     ("ext", "unknown activations format '.txt'"),
     ("k", "k=40 is larger than n_latents=16"),
+    ("batch", r"batch_size=32 is larger than the 18 training rows"),
 ])
 def test_bad_input_messages(tmp_path, capsys, case, msg):
     args = ["train-sae", "--quiet", "--out", str(tmp_path / "o"), "--steps", "2", "--latents", "16"]
@@ -95,6 +96,8 @@ def test_bad_input_messages(tmp_path, capsys, case, msg):
     elif case == "ext":
         (tmp_path / "a.txt").write_text("1 2 3")
         args += ["--data", str(tmp_path / "a.txt")]
+    elif case == "batch":  # 20 rows, 2 held out: a batch of 32 would be the 18 rows, split unevenly under DDP
+        args += ["--data", _write(tmp_path, "a.npy", np.ones((20, 4), np.float32)), "--batch-size", "32"]
     else:
         args += ["--k", "40"]
     assert cli(args) == 2

@@ -226,9 +226,9 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         lines.append("| " + " | ".join(cells) + " |")
     gpus = sorted({r.gpu for r in results})
     lines.append("")
-    lines.append(f"Measured on {', '.join(gpus)}; median of `triton.testing.do_bench`; mode `{mode}` "
-                 "(forward + backward unless stated); peak MiB is the extra memory the call allocates, "
-                 "gradients included.")
+    what = ("(forward + backward unless stated); peak MiB is the extra memory the call allocates, gradients included"
+            if mode == "full" else "(no backward); peak MiB is the extra memory the call allocates")
+    lines.append(f"Measured on {', '.join(gpus)}; median of `triton.testing.do_bench`; mode `{mode}` {what}.")
     return "\n".join(lines)
 
 

@@ -117,7 +117,7 @@ class TopKSAE(nn.Module):
         self.config = dict(
             d_model=d_model, n_latents=n_latents, k=k, hierarchical=hierarchical,
             normalize_decoder=normalize_decoder, auxk_alpha=auxk_alpha,
-            k_aux=min(d_model // 2, n_latents) if k_aux is None else k_aux, dead_tokens=dead_tokens, decoder=decoder,
+            k_aux=max(1, min(d_model // 2, n_latents)) if k_aux is None else k_aux, dead_tokens=dead_tokens, decoder=decoder,
             encoder=encoder,
         )
         if not 1 <= self.config["k_aux"] <= n_latents:
@@ -138,7 +138,8 @@ class TopKSAE(nn.Module):
     # --- encode / decode -----------------------------------------------------------------------
 
     def pre_acts(self, x: Tensor) -> Tensor:
-        """``relu((x - b_dec) @ W_enc.T + b_enc)``, ``[B, F]``."""
+        """``relu((x - b_dec) @ W_enc.T + b_enc)``, ``[B, F]``, in the parameters' dtype."""
+        x = x.to(self.W_enc.dtype)
         return F.relu(F.linear(x - self.b_dec.to(x.dtype), self.W_enc, self.b_enc))
 
     def encode(self, x: Tensor, k: Optional[int] = None) -> tuple[Tensor, Tensor]:
@@ -162,28 +163,31 @@ class TopKSAE(nn.Module):
         """Encode, decode and return the loss parts (see :class:`SAEOutput`).
 
         Args:
-            x: ``[B, D]`` activations (any float dtype; under autocast the encoder runs in its dtype).
+            x: ``[B, D]`` activations (any float dtype; the encoder runs in the parameters' dtype, or
+                in autocast's; the loss targets ``x`` as given).
             variance: the mean squared deviation of the data per element, that the reconstruction
                 loss is divided by. Default: that of this batch (detached). The trainer passes the
                 variance of the whole data set, which keeps the loss linear in the rows of a batch
                 (so data-parallel training matches one process exactly).
         """
         topk_loss, hier_loss = DECODERS[self.decoder]
-        shift = self.b_dec.to(x.dtype)  # the pre-encoder bias
+        xe = x.to(self.W_enc.dtype)  # the encoder's input, in its parameters' dtype (x stays the target)
+        shift = self.b_dec.to(xe.dtype)  # the pre-encoder bias
         if self.encoder == "dense":
-            pre = F.relu(F.linear(x - shift, self.W_enc, self.b_enc))
+            pre = F.relu(F.linear(xe - shift, self.W_enc, self.b_enc))
             vals, indices = pre.topk(self.k, dim=-1, sorted=True)
         else:  # the dense product only selects; ReLU would not change which latents end up nonzero
             with torch.no_grad():
-                pre = F.linear(x - shift, self.W_enc, self.b_enc)
+                pre = F.linear(xe - shift, self.W_enc, self.b_enc)
             top, indices = pre.topk(self.k, dim=-1, sorted=True)
-            vals = F.relu(sparse_linear(x, self.W_enc, indices, self.b_enc, shift, values=top))
-        if variance is None:
+            vals = F.relu(sparse_linear(xe, self.W_enc, indices, self.b_enc, shift, values=top))
+        if variance is None:  # sum / max(numel, 1): an empty batch gives 0, not NaN (its loss is then 0)
             xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-            variance = (xf - xf.mean(0)).square().mean().clamp_min(1e-30)
+            xf = xf - xf.sum(0) / max(xf.shape[0], 1)
+            variance = (xf.square().sum() / max(xf.numel(), 1)).clamp_min(1e-30)
         auxk_loss = None
         if self.training and self.config["auxk_alpha"] > 0:
-            auxk_loss = self._auxk_loss(x, pre, indices, vals, topk_loss)
+            auxk_loss = self._auxk_loss(x, xe, pre, indices, vals, topk_loss)
         # the [B, F] pre-activations are done with (the sparse encoder keeps no reference), so they
         # are freed before the decoder loss, whose forward may allocate the weight-gradient buffer
         del pre
@@ -194,17 +198,18 @@ class TopKSAE(nn.Module):
         loss = recon_loss + self.config["auxk_alpha"] * auxk_loss
         return SAEOutput(loss, recon_loss, auxk_loss, indices, vals)
 
-    def _auxk_loss(self, x, pre, indices, vals, topk_loss):
+    def _auxk_loss(self, x, xe, pre, indices, vals, topk_loss):
         dead = self.dead_mask()
         with torch.no_grad():
             resid = (x - self.decode(indices, vals).to(x.dtype)).detach()  # [B, D]
         aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
         if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
-            aux_vals = F.relu(sparse_linear(x, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(x.dtype),
+            aux_vals = F.relu(sparse_linear(xe, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(xe.dtype),
                                             values=aux_vals))
             aux_vals = aux_vals * dead[aux_idx].to(aux_vals.dtype)
         mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
-        scale = _global_mean(resid.float().square().mean()).clamp_min(1e-30)
+        # sum / max(numel, 1): an empty shard contributes 0 instead of a NaN that the mean would spread
+        scale = _global_mean(resid.to(mse.dtype).square().sum() / max(resid.numel(), 1)).clamp_min(1e-30)
         return torch.where(dead.any(), mse / scale, mse.new_zeros(()))
 
     # --- training helpers ----------------------------------------------------------------------

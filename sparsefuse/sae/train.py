@@ -229,6 +229,8 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
     if cfg.steps < 1 or cfg.batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1, got steps={cfg.steps}, batch_size={cfg.batch_size}")
     train, eval_x, G = _load_data(cfg)
+    if cfg.batch_size > train.shape[0]:  # a batch would be the whole set, uneven slices under DDP
+        raise ValueError(f"batch_size={cfg.batch_size} is larger than the {train.shape[0]} training rows")
     device = _resolve_device(_init_distributed(cfg.device))
     rank, world = _rank_world()
     if rank == 0:
