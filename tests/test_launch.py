@@ -73,6 +73,49 @@ def test_gpu_cached_launch_calls_installed_hooks():
     assert seen == ["_axpb_kernel"]
 
 
+
+@pytest.mark.gpu
+def test_gpu_ops_run_on_the_device_of_their_tensors():
+    """With device 0 current, ops on cuda:1 tensors run on cuda:1 and give, bit for bit, what they give
+    with cuda:1 current: custom ops set no device guard and Triton launches on the current device, so
+    the launcher switches to the tensors' device. The first run compiles (Triton's own launch path),
+    later calls take the cached one; the search takes the autotuned path."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import sparsefuse
+
+    def run(dev):
+        g = torch.Generator(dev).manual_seed(0)
+        idx = torch.randint(0, 1000, (64, 16), device=dev, generator=g)
+        w = torch.randn(1000, 96, device=dev, generator=g).requires_grad_()
+        v = torch.rand(64, 16, device=dev, generator=g).sort(1, descending=True).values.requires_grad_()
+        b = torch.randn(96, device=dev, generator=g).requires_grad_()
+        t = torch.randn(64, 96, device=dev, generator=g)
+        out = []
+        for loss_fn in (sparsefuse.topk_sae_loss, sparsefuse.hierarchical_sae_loss):
+            loss = loss_fn(idx, w, v, b, t, deterministic=True)
+            out += [loss, *torch.autograd.grad(loss, (w, v, b))]
+        z = torch.randn(32, 500, device=dev, generator=g).requires_grad_()
+        ids = torch.randint(0, 500, (32, 8), device=dev, generator=g)
+        logprobs = torch.log_softmax(torch.randn(32, 8, device=dev, generator=g), -1)
+        loss = sparsefuse.topk_kd_loss_from_logits(z, ids, logprobs)
+        out += [loss, *torch.autograd.grad(loss, z)]
+        x = torch.randn(300, 32, device=dev, generator=g)
+        codebook = torch.randn(64, 32, device=dev, generator=g)
+        codes, dist = sparsefuse.nearest_code(x, codebook)
+        cluster_size, embed_sum = torch.ones(64, device=dev), codebook.clone()
+        sparsefuse.vq_ema_update(x, codes, codebook, cluster_size, embed_sum, deterministic=True)
+        return out + [codes, dist, codebook, cluster_size, embed_sum]
+
+    with torch.cuda.device(0):
+        got = run("cuda:1")
+    with torch.cuda.device(1):
+        want = run("cuda:1")
+    torch.cuda.synchronize(1)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.device == torch.device("cuda:1"), i
+        assert torch.equal(a, b), f"output {i} differs with device 0 current"
+
 # --- the cached path on the CPU: a stand-in JIT function whose "compiled kernels" remember Triton's
 # own specialisation of the arguments they were compiled for (triton's native_specialize_impl), so a
 # cached launch that reuses a kernel compiled for different argument types is caught without a GPU.
