@@ -51,3 +51,168 @@ def test_speedup_table_footer_describes_the_mode_it_shows():
     assert "forward + backward" not in fwd and "gradients included" not in fwd
     full = harness.speedup_table([_result("sparsefuse", 1.0, "full"), _result("torch", 3.0, "full")], mode="full")
     assert "**3.00×**" in full and "forward + backward" in full
+
+
+# --- the family modules: what each case measures (no GPU needed) ------------------------------
+
+
+def _keys(cases):
+    import json
+
+    return [(c.op, c.provider, json.dumps(c.shape, sort_keys=True), c.dtype, c.mode) for c in cases]
+
+
+def test_no_two_cases_share_a_result_key(capsys):
+    """Results are merged into the JSON by (op, provider, shape, dtype, mode, GPU, version): two
+    cases of one run with the same key would overwrite each other."""
+    from sparsefuse.bench import FAMILIES, family
+
+    for name in FAMILIES:
+        for quick in (False, True):
+            keys = _keys(family(name).cases(quick=quick))
+            assert keys and len(set(keys)) == len(keys), (name, quick)
+
+
+def test_kd_hidden_topk_baselines_use_only_the_k_gathered_logits():
+    """normalize="topk" needs the K logits of each token only: the eager baseline must not compute
+    the [N, V] logits (it did, h @ w.t(), and the published speed-up was against that), and it
+    must give the loss and gradients of the reference."""
+    import torch
+
+    from sparsefuse.bench import kd
+    from sparsefuse.kd import reference
+
+    cases = {(c.op, c.provider) for c in kd.cases(quick=True)}
+    assert {("hidden-topk", "torch"), ("hidden-topk", "torch.compile")} <= cases
+    torch.manual_seed(0)
+    N, H, V, K = 13, 8, 40, 5
+    ids, t, m = kd.make_targets(N, K, V, "cpu")
+    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    matmuls = []
+    real_matmul = torch.Tensor.__matmul__
+
+    def counting_matmul(a, b):
+        matmuls.append(tuple(real_matmul(a, b).shape))
+        return real_matmul(a, b)
+
+    torch.Tensor.__matmul__ = counting_matmul
+    try:
+        got = kd._ref_hidden_topk(h, w, ids, t, m, "topk")
+    finally:
+        torch.Tensor.__matmul__ = real_matmul
+    assert matmuls and all(V not in s for s in matmuls), matmuls
+    want = reference.topk_kd_loss_from_logits(h @ w.t(), ids, t, m, normalize="topk")[0]
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, [h, w]), torch.autograd.grad(want, [h, w])):
+        torch.testing.assert_close(a, b)
+
+
+def test_gbps_counts_the_traffic_the_docstrings_state():
+    """GB/s is bytes_moved / time: the bytes must be the minimal traffic each module's docstring
+    names (KD counted the logits twice and the hidden-topk rows three times; VQ three [K, D]
+    tensors for the two of the state)."""
+    from sparsefuse.bench import kd, sae, vq
+
+    N, H, V, K = 1024, 512, 8192, 64  # kd quick
+    teacher = N * K * (4 + 1)
+    got = {c.op: c.bytes_moved for c in kd.cases(quick=True) if c.provider == "sparsefuse" and c.bytes_moved}
+    assert got == {"gathered": N * K * 2 * 2 + teacher,
+                   "logits-full": 2 * N * V * 2 + teacher + N * K * 8,
+                   "hidden-topk": (N * K * H + V * H + 2 * N * H) * 2 + teacher + N * K * 8}
+    for c in vq.cases(quick=True):
+        if c.op.startswith("ema"):
+            B, K, D = (c.shape[k] for k in "BKD")
+            assert c.bytes_moved == B * D * 4 + B * 8 + 2 * (2 * K * D * 4)  # x, codes; codebook and sums in, out
+    for c in sae.cases(quick=True):
+        B, K, F, D = (c.shape[k] for k in "BKFD")
+        assert c.bytes_moved == (B * K * D + B * D + F * D) * {"fp32": 4, "bf16": 2}[c.dtype]
+
+
+def _res(op, provider, shape, ms, dtype="fp32"):
+    from sparsefuse.bench import harness
+
+    return harness.Result(op=op, provider=provider, shape=shape, dtype=dtype, mode="full", ms=ms, ms_q20=ms,
+                          ms_q80=ms, peak_extra_mib=1.0, gpu="GPU")
+
+
+def test_sae_table_tells_a_quick_run_from_the_full_one(tmp_path):
+    """Rows were labelled by K alone: a --quick run saved beside the full one gave two "K=32" rows,
+    and the Hierarchical / TopK ratio could pair a quick time with a full one."""
+    from sparsefuse.bench import harness, sae
+
+    full, quick = dict(B=4096, K=32, F=65536, D=2304), dict(B=1024, K=32, F=8192, D=512)
+    one = [_res("topk", "sparsefuse", full, 1.0), _res("hierarchical", "sparsefuse", full, 1.5),
+           _res("topk", "torch", full, 4.0)]
+    harness.save(one, "sae", str(tmp_path))
+    text = sae.render(str(tmp_path), readme=str(tmp_path / "none.md"))
+    assert "| topk | fp32 | K=32 |" in text and "fp32 K=32: 1.50×" in text
+    harness.save([_res("topk", "sparsefuse", quick, 0.1), _res("hierarchical", "sparsefuse", quick, 0.3)], "sae",
+                 str(tmp_path))
+    text = sae.render(str(tmp_path), readme=str(tmp_path / "none.md"))
+    assert "| topk | fp32 | B=4096 K=32 F=65536 D=2304 |" in text
+    assert "| topk | fp32 | B=1024 K=32 F=8192 D=512 |" in text
+    assert "fp32 K=32 B=4096 F=65536 D=2304: 1.50×" in text and "fp32 K=32 B=1024 F=8192 D=512: 3.00×" in text
+
+
+def test_kd_targets_only_read_the_issue_shape():
+    from sparsefuse.bench import kd
+
+    quick = dict(N=1024, H=512, V=8192, K=64)
+    assert kd._targets([_res("hidden-topk", "sparsefuse", quick, 0.1, "bf16")]) == ""
+    full = dict(kd.ISSUE_SHAPE)
+    lines = kd._targets([_res("hidden-topk", "sparsefuse", quick, 0.1, "bf16"),
+                         _res("hidden-topk", "sparsefuse", full, 4.0, "bf16")])
+    assert "**4.00 ms**" in lines and "0.10" not in lines
+
+
+def test_sae_train_main_without_gpu_checks_instead_of_timing(monkeypatch, capsys):
+    import torch
+
+    from sparsefuse.bench import harness, sae_train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sae_train, "check", lambda log=print: True)
+    monkeypatch.setattr(harness, "run_cases", lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed")))
+    assert sae_train.main(["--quick", "--out", "unused"]) == 0
+    assert "No CUDA GPU found" in capsys.readouterr().out
+
+
+def test_vq_step_baseline_uses_the_straight_through_gradient(monkeypatch):
+    """vector-quantize-pytorch's VectorQuantize defaults to the rotation trick in recent versions:
+    the baseline must be given ``rotation_trick=False`` where it takes it (ours is straight-through)."""
+    import sys
+    import types
+
+    from sparsefuse.bench import vq
+
+    for params, want in (("dim, codebook_size, rotation_trick=None", {"rotation_trick": False}),
+                         ("dim, codebook_size", {})):
+        fake = types.ModuleType("vector_quantize_pytorch")
+        exec(f"class VectorQuantize:\n    def __init__(self, {params}): pass", fake.__dict__)
+        monkeypatch.setitem(sys.modules, "vector_quantize_pytorch", fake)
+        assert vq._vqtorch_straight_through() == want
+
+
+def test_vq_step_baseline_gradient_matches_ours():
+    """With the keyword, the installed vector-quantize-pytorch computes our step's gradient."""
+    import pytest
+    import torch
+
+    vqp = pytest.importorskip("vector_quantize_pytorch")
+    from sparsefuse import VectorQuantizer
+    from sparsefuse.bench import vq
+
+    B, K, D = 64, 16, 8
+    torch.manual_seed(0)
+    x = torch.randn(B, D, requires_grad=True)
+    ours = VectorQuantizer(D, K, decay=0.99, threshold=vq.THRESHOLD, commitment_weight=0.25).train()
+    theirs = vqp.VectorQuantize(dim=D, codebook_size=K, decay=0.99, commitment_weight=0.25,
+                                threshold_ema_dead_code=vq.THRESHOLD, **vq._vqtorch_straight_through()).train()
+    theirs._codebook.embed.data.copy_(ours.codebook[None])
+    theirs._codebook.cluster_size.data.fill_(100.0)
+    grads = []
+    for mod, inp in ((ours, x), (theirs, x[None])):
+        out, _, loss = mod(inp)
+        grads.append(torch.autograd.grad(loss.sum() + out.float().square().mean(), x)[0])
+    torch.testing.assert_close(grads[0], grads[1])

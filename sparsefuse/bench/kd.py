@@ -11,7 +11,16 @@ Ops and providers:
   ``torch`` (bf16 matmul, then the reference on the logits), ``torch.compile`` (the same,
   compiled) and ``matmul``: the bare LM-head matmuls alone (forward plus both backward products,
   with a random logits gradient), the floor for any from-hidden loss.
-* ``hidden-topk``: ``normalize="topk"`` without cross-entropy (only the K gathered rows).
+* ``hidden-topk``: ``normalize="topk"`` without cross-entropy (only the K gathered rows);
+  ``sparsefuse`` against ``torch`` (the K weight rows of each token looked up with
+  ``F.embedding`` and dotted with its hidden state in bf16, then the gathered reference: the same
+  K logits, never the [N, V] ones, which "topk" does not need) and ``torch.compile`` (the same,
+  compiled).
+
+GB/s counts the traffic no implementation avoids: the inputs read once and the gradients
+written once (gathered: the K logits, the teacher log-probs and mask, the gradient; logits-full:
+the [N, V] logits and their gradient; hidden-topk: the N*K weight rows, the hidden states, their
+gradient and the dense [V, H] weight gradient), the teacher tensors included.
 
 Targets (issue 4): hidden-full <= 1.15x matmul and <= 1.5 GiB extra; hidden-topk <= 5 ms;
 logits-full >= 2x and gathered >= 3x faster than eager.
@@ -27,11 +36,13 @@ from . import harness
 
 FAMILY = "kd"
 DTYPES = {"bf16": torch.bfloat16}
+ISSUE_SHAPE = dict(N=8192, H=4096, V=128256, K=64)  # the default shape, where the targets are set
 
 
 def make_targets(N, K, V, device, *, seed=0, masked_frac=0.1):
-    """Teacher top-K: distinct ids per token, log-probs of a peaked distribution, ~10 % padded slots
-    (axolotl style: id 0, log-prob -1e9, mask 0)."""
+    """Teacher top-K: ids per token (distinct for V <= 4096; uniform draws above, where a token
+    repeats an id with probability about K^2 / 2V, 1.6 % at the default shape), log-probs of a
+    peaked distribution, ~10 % padded slots (axolotl style: id 0, log-prob -1e9, mask 0)."""
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.rand(N, V, device=device, generator=g).topk(K, dim=1).indices if V <= 4096 else \
         torch.randint(0, V, (N, K), device=device, generator=g)
@@ -55,12 +66,21 @@ def _ref_hidden(h, w, ids, t, m, normalize="full"):
     return reference.topk_kd_loss_from_logits(h @ w.t(), ids, t, m, normalize=normalize)[0]
 
 
+def _ref_hidden_topk(h, w, ids, t, m, normalize="topk"):
+    """``normalize="topk"`` from hidden the way PyTorch would do it: only the K logits it needs,
+    from the K weight rows of each token (bf16, like the full-logits baseline's matmul)."""
+    assert normalize == "topk", normalize
+    rows = torch.nn.functional.embedding(ids, w)  # [N, K, H]
+    z_k = (rows @ h.unsqueeze(-1)).squeeze(-1)  # [N, K]
+    return reference.topk_kd_loss(z_k, t, m)[0]
+
+
 def _case(op, provider, make, shape, dtype_name, **kw):
     return harness.Case(op=op, provider=provider, shape=shape, dtype=dtype_name, mode="full", make=make, **kw)
 
 
 def cases(*, quick=False):
-    N, H, V, K = (1024, 512, 8192, 64) if quick else (8192, 4096, 128256, 64)
+    N, H, V, K = (1024, 512, 8192, 64) if quick else tuple(ISSUE_SHAPE[k] for k in "NHVK")
     out = []
     for dtype_name, dtype in DTYPES.items():
         def gathered(fn):
@@ -93,10 +113,12 @@ def cases(*, quick=False):
             return lambda: (h @ w.t(), g @ w, g.t() @ h)
 
         isz = torch.finfo(dtype).bits // 8
+        teacher = N * K * (4 + 1)  # fp32 log-probs and bool mask (make_targets), read once
+        teacher_ids = teacher + N * K * 8  # and the int64 ids
         gshape = dict(N=N, K=K)
         out += [
             _case("gathered", "sparsefuse", gathered(topk_kd_loss), gshape, dtype_name,
-                  bytes_moved=N * K * (3 * isz + 5)),
+                  bytes_moved=2 * N * K * isz + teacher),
             _case("gathered", "torch", gathered(_ref_gathered), gshape, dtype_name),
             _case("gathered", "torch.compile", gathered(torch.compile(_ref_gathered, dynamic=False)), gshape,
                   dtype_name),
@@ -104,7 +126,8 @@ def cases(*, quick=False):
         lshape = dict(N=N, V=V, K=K)
         ours = lambda z, ids, t, m: topk_kd_loss_from_logits(z, ids, t, m, normalize="full")  # noqa: E731
         out += [
-            _case("logits-full", "sparsefuse", logits(ours), lshape, dtype_name, bytes_moved=3 * N * V * isz),
+            _case("logits-full", "sparsefuse", logits(ours), lshape, dtype_name,
+                  bytes_moved=2 * N * V * isz + teacher_ids),
             _case("logits-full", "torch", logits(_ref_logits), lshape, dtype_name),
             _case("logits-full", "torch.compile", logits(torch.compile(_ref_logits, dynamic=False)), lshape,
                   dtype_name),
@@ -119,15 +142,19 @@ def cases(*, quick=False):
             _case("hidden-full", "torch.compile", hidden(torch.compile(_ref_hidden, dynamic=False), "full"), hshape,
                   dtype_name, flops=flops),
             _case("hidden-topk", "sparsefuse", hidden(ours_h, "topk"), hshape, dtype_name,
-                  bytes_moved=(3 * N * K * H + V * H + 2 * N * H) * isz),
-            _case("hidden-topk", "torch", hidden(_ref_hidden, "topk"), hshape, dtype_name),
+                  bytes_moved=(N * K * H + V * H + 2 * N * H) * isz + teacher_ids),
+            _case("hidden-topk", "torch", hidden(_ref_hidden_topk, "topk"), hshape, dtype_name),
+            _case("hidden-topk", "torch.compile", hidden(torch.compile(_ref_hidden_topk, dynamic=False), "topk"),
+                  hshape, dtype_name),
         ]
     return out
 
 
 def _targets(results):
-    """One line per issue target, with the numbers measured in the same run."""
-    by = {(r.op, r.provider, r.dtype): r for r in results}
+    """One line per issue target, with the numbers measured in the same run at the issue's shape
+    (a ``--quick`` run saved beside it must not stand in for it: the lookup has no shape)."""
+    by = {(r.op, r.provider, r.dtype): r for r in results
+          if all(ISSUE_SHAPE.get(k) == v for k, v in r.shape.items())}
     lines = []
     for dt in sorted({r.dtype for r in results}):
         def get(op, p):

@@ -14,10 +14,12 @@
   and compiled, at (65536, 1024, 128) and (65536, 4096, 256).
 * ``vq_step``: one training step of :class:`sparsefuse.VectorQuantizer` (search, straight-through,
   commitment loss, backward to x, EMA update) against vector-quantize-pytorch's ``VectorQuantize``
-  with EMA at the same settings (decay 0.99, dead-code threshold 2, commitment 0.25), when installed.
+  with EMA at the same settings (decay 0.99, dead-code threshold 2, commitment 0.25, straight-through
+  gradient: ``rotation_trick=False``, where recent versions default to True), when installed.
 
-GB/s counts the traffic no implementation avoids: x read once and the [K, D] state read and
-written once (update); x and the codebook read once (search).
+GB/s counts the traffic no implementation avoids: x and the codes read once and the two [K, D]
+state tensors (codebook, EMA sums) read and written once (update); x and the codebook read once
+(search).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _ema_case(semantics, provider, B, K, D):
         return lambda: fn(*state, semantics)
 
     return harness.Case(op=f"ema_{semantics}", provider=provider, shape=dict(B=B, K=K, D=D), dtype="fp32",
-                        mode="fwd", make=make, bytes_moved=(B * D + 3 * K * D * 2) * 4, rounds=EMA_ROUNDS)
+                        mode="fwd", make=make, bytes_moved=(B * D + 2 * K * D * 2) * 4 + B * 8, rounds=EMA_ROUNDS)
 
 
 def _search_torch(x, c):
@@ -124,7 +126,7 @@ def _step_case(provider, B, K, D):
             from vector_quantize_pytorch import VectorQuantize
 
             vq = VectorQuantize(dim=D, codebook_size=K, decay=0.99, commitment_weight=0.25,
-                                threshold_ema_dead_code=THRESHOLD).cuda().train()
+                                threshold_ema_dead_code=THRESHOLD, **_vqtorch_straight_through()).cuda().train()
             inp = x[None]
 
         def step():
@@ -135,6 +137,18 @@ def _step_case(provider, B, K, D):
 
     return harness.Case(op="vq_step", provider=provider, shape=dict(B=B, K=K, D=D), dtype="fp32", mode="full",
                         make=make, rounds=EMA_ROUNDS)
+
+
+def _vqtorch_straight_through() -> dict:
+    """The keyword that gives vector-quantize-pytorch's ``VectorQuantize`` the plain straight-through
+    gradient of ours: recent versions (1.32.0 among them) default to the rotation trick (arXiv
+    2410.06424), a per-row rotation in the forward and the backward that a straight-through step
+    does not do."""
+    import inspect
+
+    from vector_quantize_pytorch import VectorQuantize
+
+    return {"rotation_trick": False} if "rotation_trick" in inspect.signature(VectorQuantize).parameters else {}
 
 
 def _have_vqtorch() -> bool:
