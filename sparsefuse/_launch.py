@@ -55,6 +55,13 @@ def _nospec_key(a):
     return _arg_key(a)
 
 
+def _first_tensor(args):
+    """The tensor whose device a launch goes to: the first argument, or, where that is an optional
+    tensor passed as None, the first tensor given."""
+    a0 = args[0]
+    return a0 if a0 is not None else next(a for a in args if hasattr(a, "is_cuda"))
+
+
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook would call anything (a HookChain holds a list of calls)."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -77,12 +84,13 @@ def launch(fn, grid, args, meta, num_warps, num_stages=None):
     follow ``args`` in the kernel's signature. Launched on the device of ``args[0]`` (Triton itself
     launches on the current device, and custom ops set no device guard)."""
     opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
-    if INTERPRET or not args[0].is_cuda:
+    t0 = _first_tensor(args)
+    if INTERPRET or not t0.is_cuda:
         fn[grid](*args, **meta, **opts)
         return
     dev = torch.cuda.current_device()
-    if args[0].get_device() != dev:  # Triton launches on the current device: make it the tensors' one
-        with torch.cuda.device(args[0].get_device()):
+    if t0.get_device() != dev:  # Triton launches on the current device: make it the tensors' one
+        with torch.cuda.device(t0.get_device()):
             return launch(fn, grid, args, meta, num_warps, num_stages)
     if not FAST:
         fn[grid](*args, **meta, **opts)
@@ -122,9 +130,9 @@ def launch_tuned(tuner, grid_fn, args, meta, tune_key):
     (its key arguments and the dtypes of the tensors)."""
     cfg = _TUNED.get(tune_key)
     if cfg is None or INTERPRET or not FAST:
-        a0 = args[0]
-        if not INTERPRET and a0.is_cuda and a0.get_device() != torch.cuda.current_device():
-            with torch.cuda.device(a0.get_device()):  # as in launch()
+        t0 = _first_tensor(args)
+        if not INTERPRET and t0.is_cuda and t0.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(t0.get_device()):  # as in launch()
                 return launch_tuned(tuner, grid_fn, args, meta, tune_key)
         tuner[grid_fn](*args, **meta)
         if not INTERPRET:

@@ -285,6 +285,17 @@ def test_launch_runs_on_the_device_of_the_tensors(fast_path, monkeypatch, fast):
     assert fn.devices == [1, 1] and torch.cuda.current_device() == 0
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_launch_with_an_optional_first_tensor_passed_as_none(fast_path, monkeypatch, fast):
+    """A kernel whose first pointer is optional (KD's reduction: no per-token terms) launches on the
+    device of the first tensor given (it failed with AttributeError on None.is_cuda on a GPU)."""
+    monkeypatch.setattr(_launch, "FAST", fast)
+    fn = _FakeJIT(["p0", "p", "n", "BLOCK"], nospec=set(), n_constexpr=1)
+    for _ in range(2):  # compiled, then cached
+        _launch.launch(fn, (3,), (None, _Ptr(device=1), 8), dict(BLOCK=64), 4)
+    assert fn.devices == [1, 1] and torch.cuda.current_device() == 0
+
+
 def test_launch_tuned_runs_on_the_device_of_the_tensors(fast_path):
     fn = _FakeJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
     tuned_on = []

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import cdiv, launch, next_pow2
+from .._launch import cdiv, launch, launch_tuned, next_pow2
 from .._registry import INTERPRET
 from .reference import IGNORE_INDEX, acc_dtype
 
@@ -544,10 +544,7 @@ def reduce(tok, ce, flags, labels, reduction, num_items, num_items_value, ce_wei
     args = (tok, ce, flags, labels, num_items, loss, scale, flags.shape[0], float(num_items_value), float(ce_weight))
     meta = dict(REDUCTION=reduction, HAS_TOK=tok is not None, HAS_CE=labels is not None,
                 HAS_ITEMS=num_items is not None, ACC=_tl_dtype(acc), BLOCK=_REDUCE_BLOCK)
-    if tok is not None:  # the gathered loss is launch-bound: the shared cached launcher (sparsefuse/_launch.py)
-        launch(_kd_reduce_kernel, (1,), args, meta, 4)
-    else:
-        _kd_reduce_kernel[(1,)](*args, **meta)
+    launch(_kd_reduce_kernel, (1,), args, meta, 4)
     return loss, scale
 
 
@@ -592,12 +589,11 @@ def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
     has_ce = labels is not None
     if n == 0:
         return
-    _kd_row_fwd_kernel[(n,)](
-        z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, V, K, z.stride(0),
-        1.0 / temperature, float(temperature),
-        NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
-        ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K), num_warps=_ROW_WARPS,
-    )
+    launch(_kd_row_fwd_kernel, (n,),
+           (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, V, K, z.stride(0),
+            1.0 / temperature, float(temperature)),
+           dict(NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
+                ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)), _ROW_WARPS)
 
 
 def _row_bwd(z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, normalize, temperature):
@@ -607,12 +603,12 @@ def _row_bwd(z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok
         return
     split = max(1, min(cdiv(_ROW_MIN_PROGRAMS, n), cdiv(V, _ROW_BLOCK_V)))
     v_per_prog = cdiv(cdiv(V, split), _ROW_BLOCK_V) * _ROW_BLOCK_V
-    _kd_row_bwd_kernel[(n, cdiv(V, v_per_prog))](
-        z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, V, K, z.stride(0), g.stride(0),
-        1.0 / temperature, float(temperature), v_per_prog,
-        NORMALIZE=normalize, HAS_CE=labels is not None, HAS_GL=grad_loss is not None, HAS_GT=grad_tok is not None,
-        ACC=_tl_dtype(scale.dtype), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K), num_warps=_ROW_WARPS,
-    )
+    launch(_kd_row_bwd_kernel, (n, cdiv(V, v_per_prog)),
+           (z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, V, K, z.stride(0), g.stride(0),
+            1.0 / temperature, float(temperature), v_per_prog),
+           dict(NORMALIZE=normalize, HAS_CE=labels is not None, HAS_GL=grad_loss is not None,
+                HAS_GT=grad_tok is not None, ACC=_tl_dtype(scale.dtype), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)),
+           _ROW_WARPS)
 
 
 def logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
@@ -652,11 +648,12 @@ def lm_weight_grad(ids, mask, g, hidden, V, out_dtype):
     sorted_keys, order = torch.sort(keys, stable=True)
     bounds = torch.arange(0, past + 1, _WG_BLOCK_V, device=keys.device, dtype=torch.long)
     seg = torch.searchsorted(sorted_keys, bounds)
-    grid = lambda meta: (n_tiles, cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-    _kd_weight_grad_kernel[grid](
-        seg, sorted_keys, order, g, hidden, out, V, H, ids.shape[1],
-        SPLIT=hidden.dtype in (torch.float16, torch.bfloat16), ACC=_tl_dtype(acc_dtype(hidden)), BLOCK_V=_WG_BLOCK_V,
-    )
+    K = ids.shape[1]
+    launch_tuned(_kd_weight_grad_kernel, lambda meta: (n_tiles, cdiv(H, meta["BLOCK_H"])),
+                 (seg, sorted_keys, order, g, hidden, out, V, H, K),
+                 dict(SPLIT=hidden.dtype in (torch.float16, torch.bfloat16), ACC=_tl_dtype(acc_dtype(hidden)),
+                      BLOCK_V=_WG_BLOCK_V),
+                 (_kd_weight_grad_kernel, H, K, g.dtype, hidden.dtype, out.dtype, hidden.device))
     return out
 
 
@@ -700,12 +697,11 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
         flags2 = torch.empty(N, device=dev, dtype=acc)
         g = torch.empty(N, K, device=dev, dtype=acc) if need_grad else None
         if N:
-            _kd_hidden_topk_kernel[(N,)](
-                hidden, weight, bias, ids, t, m8, tok, flags2, g, gh if need_gh else None, scale, H, V, K,
-                weight.stride(0), 1.0 / temperature, float(temperature),
-                HAS_BIAS=bias is not None, NEED_GRAD=need_grad, NEED_GH=need_gh, ACC=_tl_dtype(acc),
-                BLOCK_K=next_pow2(K), BLOCK_H=_HID_BLOCK_H, num_warps=_HID_WARPS,
-            )
+            launch(_kd_hidden_topk_kernel, (N,),
+                   (hidden, weight, bias, ids, t, m8, tok, flags2, g, gh if need_gh else None, scale, H, V, K,
+                    weight.stride(0), 1.0 / temperature, float(temperature)),
+                   dict(HAS_BIAS=bias is not None, NEED_GRAD=need_grad, NEED_GH=need_gh, ACC=_tl_dtype(acc),
+                        BLOCK_K=next_pow2(K), BLOCK_H=_HID_BLOCK_H), _HID_WARPS)
         elif need_gh:
             gh.zero_()
         loss, _ = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
@@ -764,8 +760,8 @@ def rescale_(x: torch.Tensor, g: torch.Tensor, applied: torch.Tensor) -> None:
     """x *= g / applied in place (no traffic when equal)."""
     n = x.numel()
     if n:
-        _kd_rescale_kernel[(cdiv(n, _SCALE_BLOCK),)](x, g, applied, n, ACC=_tl_dtype(x.dtype),
-                                                             BLOCK=_SCALE_BLOCK)
+        launch(_kd_rescale_kernel, (cdiv(n, _SCALE_BLOCK),), (x, g, applied, n),
+               dict(ACC=_tl_dtype(x.dtype), BLOCK=_SCALE_BLOCK), 4)
 
 
 def hidden_bwd(grad_loss, gh, gw, gb, applied):
