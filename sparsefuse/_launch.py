@@ -81,8 +81,8 @@ def next_pow2(n: int) -> int:
 
 def launch(fn, grid, args, meta, num_warps, num_stages=None):
     """``fn[grid](*args, **meta, num_warps=num_warps)``; ``meta`` holds the constexpr arguments, which
-    follow ``args`` in the kernel's signature. Launched on the device of ``args[0]`` (Triton itself
-    launches on the current device, and custom ops set no device guard)."""
+    follow ``args`` in the kernel's signature. Launched on the device of the first tensor in ``args``
+    (Triton itself launches on the current device, and custom ops set no device guard)."""
     opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     t0 = _first_tensor(args)
     if INTERPRET or not t0.is_cuda:
