@@ -31,6 +31,16 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, name
     assert err <= TOL[dtype] * scale, f"{name}: relative error {err:.3e} > {TOL[dtype] * scale:.1e} ({dtype})"
 
 
+def need_gpu_memory(gib: float) -> None:
+    """Skip the calling test without ``gib`` GiB of free GPU memory, counting what PyTorch's
+    allocator holds but does not use (the large-tensor tests of the GPU tier)."""
+    import pytest
+
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if free < gib * 2**30:
+        pytest.skip(f"needs {gib} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+
+
 def nan_filled_empty(monkeypatch):
     real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 

@@ -15,7 +15,7 @@ import sparsefuse
 from sparsefuse import compat
 from sparsefuse.kd import reference as ref
 
-from helpers import DEVICE, TOL, assert_close
+from helpers import DEVICE, TOL, assert_close, need_gpu_memory
 
 NORMS = ["topk", "full", "tail"]
 
@@ -726,19 +726,12 @@ def _check_hidden_long(N, K, V, H, dtype, device):
     assert torch.count_nonzero(gh.index_fill_(0, rows, 0)) == 0, "grad_hidden rows of fully masked tokens"
 
 
-def _need_gpu_memory(gib):
-    """Skip without ``gib`` GiB free, counting what PyTorch's allocator holds but does not use."""
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    if free < gib * 2**30:
-        pytest.skip(f"needs {gib} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("normalize", ["topk", "tail"])
 def test_gpu_from_logits_past_2_32(normalize):
     """z [28250, 152064] bf16 (Qwen2 vocabulary): 4.30e9 elements, rows from 14123 start past 2^31 and
     from 28245 past 2^32. About 17.2 GB (z and its gradient, 8.6 GB each)."""
-    _need_gpu_memory(20)
+    need_gpu_memory(20)
     _check_logits_rows(28250, 64, 152064, normalize, torch.bfloat16, "cuda")
 
 
@@ -746,7 +739,7 @@ def test_gpu_from_logits_past_2_32(normalize):
 def test_gpu_from_hidden_head_past_2_32():
     """LM head [262400, 16384] bf16: 4.30e9 elements, rows from 131072 start at or past 2^31 and from 262144
     past 2^32. About 21.5 GB (W and grad_weight, 8.6 GB each, and a 4.3 GB mask in the zero check)."""
-    _need_gpu_memory(24)
+    need_gpu_memory(24)
     _check_hidden_wide_head(64, 32, 262400, 16384, torch.bfloat16, "cuda")
 
 
@@ -755,7 +748,7 @@ def test_gpu_from_hidden_tokens_past_2_32():
     """hidden [524300, 8192] bf16: 4.30e9 elements, tokens from 262144 start at or past 2^31 and from
     524288 past 2^32. About 21.5 GB (hidden and grad_hidden, 8.6 GB each, and a 4.3 GB mask in the
     zero check)."""
-    _need_gpu_memory(24)
+    need_gpu_memory(24)
     _check_hidden_long(524300, 8, 4096, 8192, torch.bfloat16, "cuda")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sparsefuse
-from helpers import DEVICE, TOL, assert_close
+from helpers import DEVICE, TOL, assert_close, need_gpu_memory
 from sparsefuse.compat import ema_update as compat_ema_update
 from sparsefuse.vq import (ResidualVQ, VectorQuantizer, batch_statistics, nearest_code, quantize, reference,
                            vq_ema_update)
@@ -917,9 +917,7 @@ _BIG_ROWS = (_BIG_GUARD + (1 << 19)) // _BIG_D
 @pytest.fixture
 def big_gpu():
     """Skip without the ~17 GiB the largest of these cases takes; hand the memory back afterwards."""
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    if free < (20 << 30):
-        pytest.skip(f"needs 20 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    need_gpu_memory(20)
     yield
     import gc
 
