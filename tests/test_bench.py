@@ -1,5 +1,7 @@
 """The benchmark harness: round-robin rounds (``Case.rounds``, timing stubbed out) and the host profile."""
 
+import torch
+
 from sparsefuse.bench import harness
 
 
@@ -51,6 +53,18 @@ def test_speedup_table_footer_describes_the_mode_it_shows():
     assert "forward + backward" not in fwd and "gradients included" not in fwd
     full = harness.speedup_table([_result("sparsefuse", 1.0, "full"), _result("torch", 3.0, "full")], mode="full")
     assert "**3.00×**" in full and "forward + backward" in full
+
+
+def test_a_peak_below_the_results_size_is_flagged_in_the_table():
+    """A call allocates its own results, so a peak reading below their size is a misreading (2.1 MiB
+    for a call returning a 2 GiB gradient, in session 13): the table must not print it as a fact."""
+    a, b = torch.zeros(64), torch.zeros(2, 8, dtype=torch.float64)
+    assert harness._result_bytes((a, [b, a.view(8, 8)], None, 3)) == 64 * 4 + 16 * 8  # shared storage once
+    ours = _result("sparsefuse", 1.0, "full")
+    table = harness.speedup_table([ours, _result("torch", 2.0, "full")])
+    assert "(misread)" not in table
+    ours.extra["peak_below_results_mib"] = 2048.0
+    assert "| 1 (misread) |" in harness.speedup_table([ours, _result("torch", 2.0, "full")])
 
 
 # --- the family modules: what each case measures (no GPU needed) ------------------------------

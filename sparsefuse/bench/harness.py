@@ -10,6 +10,7 @@ turns the JSON into the README table and a PNG plot.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -73,25 +74,53 @@ def measure(case: Case, *, warmup_ms: int = 50, rep_ms: int = 300) -> Result:
     """Time one case (median of do_bench) and record its peak extra memory."""
     from triton.testing import do_bench
 
+    gc.collect()  # an earlier case's tensors held in reference cycles: freed now, not mid-measurement
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     fn = case.make()
     fn()  # compile / autotune / warm caches outside the measurement
+    gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
+    # With the collector running, a cycle holding gigabytes freed during this call would hand its
+    # memory to the call's own allocations, and the peak would read that much too low.
+    gc.disable()
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
     peak = torch.cuda.max_memory_allocated() - base
+    # The call allocated its own results, so a peak below their size is a misreading (session 13
+    # read 2.1 MiB for a call returning a 2 GiB gradient, once, on another machine): flag it.
+    floor = _result_bytes(out)
+    del out
     q20, med, q80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
     del fn
-    return Result(
+    res = Result(
         op=case.op, provider=case.provider, shape=case.shape, dtype=case.dtype, mode=case.mode,
         ms=med, ms_q20=q20, ms_q80=q80, peak_extra_mib=peak / 2**20,
         gbps=None if case.bytes_moved is None else case.bytes_moved / med / 1e6,
         tflops=None if case.flops is None else case.flops / med / 1e9,
         gpu=gpu_name(),
     )
+    if peak < floor:
+        res.extra["peak_below_results_mib"] = floor / 2**20
+    return res
+
+
+def _result_bytes(out) -> int:
+    """Bytes of the distinct tensor storages in a case's result (nested tuples and lists)."""
+    seen, stack = {}, [out]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, (tuple, list)):
+            stack.extend(o)
+        elif isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def host_us(fn, n: int = 200, warmup: int = 20) -> float:
@@ -159,7 +188,7 @@ def run_cases(cases, *, log=print) -> list:
             tag = f"  (round {r + 1}/{case.rounds})" if case.rounds > 1 else ""
             log(f"  {res.op:<14} {res.provider:<14} {res.dtype:<9} {_shape_str(res.shape):<28} {res.mode:<5} "
                 f"{res.ms:8.3f} ms  {res.peak_extra_mib:9.1f} MiB" + (f"  {res.gbps:7.0f} GB/s" if res.gbps else "")
-                + tag)
+                + tag + ("  (peak below the results' size: misread)" if "peak_below_results_mib" in res.extra else ""))
     results = []
     for got in rounds:
         if got:
@@ -222,7 +251,8 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         cells = [op, dtype, shape_txt, f"{us.ms:.3f}"]
         cells += [f"{by[b].ms:.3f}" if b in by else "—" for b in baselines]
         cells += [f"**{by[b].ms / us.ms:.2f}×**" if b in by else "—" for b in baselines]
-        cells += [f"{us.peak_extra_mib:.0f}", f"{us.gbps:.0f}" if us.gbps else "—"]
+        misread = " (misread)" if "peak_below_results_mib" in us.extra else ""
+        cells += [f"{us.peak_extra_mib:.0f}{misread}", f"{us.gbps:.0f}" if us.gbps else "—"]
         lines.append("| " + " | ".join(cells) + " |")
     gpus = sorted({r.gpu for r in results})
     lines.append("")
