@@ -15,6 +15,7 @@ ordinary path.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from triton import knobs
@@ -121,6 +122,7 @@ def launch(fn, grid, args, meta, num_warps, num_stages=None):
 
 
 _TUNED: dict = {}
+_TUNE_LOCK = threading.RLock()
 
 
 def launch_tuned(tuner, grid_fn, args, meta, tune_key):
@@ -134,8 +136,9 @@ def launch_tuned(tuner, grid_fn, args, meta, tune_key):
         if not INTERPRET and t0.is_cuda and t0.get_device() != torch.cuda.current_device():
             with torch.cuda.device(t0.get_device()):  # as in launch()
                 return launch_tuned(tuner, grid_fn, args, meta, tune_key)
-        tuner[grid_fn](*args, **meta)
-        if not INTERPRET:
-            _TUNED[tune_key] = tuner.best_config
+        with _TUNE_LOCK:  # the autotuner keeps its pick in one attribute: two threads tuning at once
+            tuner[grid_fn](*args, **meta)  # could each read the other's
+            if not INTERPRET:
+                _TUNED[tune_key] = tuner.best_config
         return
     launch(tuner.fn, grid_fn(cfg.kwargs), args, {**meta, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)

@@ -316,3 +316,36 @@ def test_launch_tuned_runs_on_the_device_of_the_tensors(fast_path):
     for _ in range(2):  # tuned, then the pick launched through launch()
         _launch.launch_tuned(tuner, lambda meta: (3,), (ptr, 8, 3), {}, ("tuned", 1))
     assert tuned_on == [1] and fn.devices == [1] and torch.cuda.current_device() == 0
+
+
+def test_launch_tuned_keeps_each_key_its_own_pick_when_threads_tune_at_once(fast_path, monkeypatch):
+    """An autotuner keeps its pick in one attribute; two threads tuning different keys at once could
+    each store the other's pick (found in a review; the lock in launch_tuned serialises tuning)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(_launch, "_TUNED", {})
+    fn = _FakeJIT(["p", "n", "BLOCK"], nospec=set(), n_constexpr=1)
+
+    class Tuner:  # one shared autotuner object, as triton.autotune makes
+        best_config = None
+
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid_fn):
+            def run(p, n, **meta):
+                self.best_config = triton.Config(dict(BLOCK=n), num_warps=4, num_stages=2)
+                time.sleep(0.05)  # tuning takes a while; the other thread starts meanwhile
+            return run
+
+    tuner = Tuner(fn)
+    threads = [threading.Thread(target=_launch.launch_tuned,
+                                args=(tuner, lambda meta: (1,), (_Ptr(device=0), n), {}, ("race", n)))
+               for n in (16, 32)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert {key[1]: cfg.kwargs["BLOCK"] for key, cfg in _launch._TUNED.items()} == {16: 16, 32: 32}

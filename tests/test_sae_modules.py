@@ -140,6 +140,14 @@ def test_fvu_curve():
     assert abs(curve[5] - want) <= 1e-9 * want
 
 
+@pytest.mark.parametrize("ks", [[6], [0, 2], [2.0]])
+def test_fvu_curve_rejects_budgets_outside_1_to_k(ks):
+    """k' = 6 > K = 5 used to decode with K latents and report it as k' = 6."""
+    m, x = _model(False), _x(rows=8)
+    with pytest.raises(ValueError, match=r"ks must hold integers in \[1, k\] = \[1, 5\]"):
+        m.fvu_curve(x, ks=ks)
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(k=30), "k must be between 1 and n_latents=24"),
     (dict(k=0), "k must be between 1"),

@@ -127,7 +127,8 @@ def _ddp_worker(rank, world, port, path):
     try:
         runs = train_sae(TrainConfig(**DDP_CFG), log=lambda *_: None)
         if rank == 0:
-            torch.save({loss: r.model.state_dict() for loss, r in runs.items()}, path)
+            torch.save({loss: dict(r.model.state_dict(), logged_loss=torch.tensor(r.history["loss"]))
+                        for loss, r in runs.items()}, path)
     finally:
         dist.destroy_process_group()
     end_spawned_worker()
@@ -148,7 +149,8 @@ def _spawn(world, path, monkeypatch):
 
 def test_ddp_gloo_matches_single_process(tmp_path, monkeypatch):
     """Two gloo processes, each on half of every global batch, end with the weights of one process
-    on the whole batch (AuxK on: latents die after 16 tokens without firing)."""
+    on the whole batch (AuxK on: latents die after 16 tokens without firing), and log the loss of the
+    whole batch (``logged_loss``; rank 0 logged its own shard's before)."""
     ddp = _spawn(2, str(tmp_path / "ddp.pt"), monkeypatch)
     single = _spawn(1, str(tmp_path / "single.pt"), monkeypatch)
     for loss, state in single.items():

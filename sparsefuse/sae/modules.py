@@ -253,6 +253,9 @@ class TopKSAE(nn.Module):
         1, 2, 4, ... up to K (K included). Returns ``{k': fvu}``.
         """
         ks = powers_of_two_upto(self.k) if ks is None else list(ks)
+        bad = [kp for kp in ks if not isinstance(kp, int) or isinstance(kp, bool) or not 1 <= kp <= self.k]
+        if bad:
+            raise ValueError(f"ks must hold integers in [1, k] = [1, {self.k}], got {bad}")
         mean = x.double().mean(0)
         total = float((x.double() - mean).square().sum().clamp_min(1e-300))
         sse = dict.fromkeys(ks, 0.0)

@@ -197,7 +197,11 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
             _dist().all_reduce(counts)
         model.record_firing(counts, cfg.batch_size)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            recon = float(out.recon_loss.detach())
+            recon_t = out.recon_loss.detach().float().reshape(1)
+            if world > 1:  # the mean over the global batch (each rank's shard is the same size)
+                _dist().all_reduce(recon_t)
+                recon_t /= world
+            recon = float(recon_t)
             dead = float(model.dead_mask().float().mean())
             history["step"].append(step)
             history["loss"].append(recon)
