@@ -30,7 +30,8 @@ SHAPES = [
 
 def make(N, K, V, H=12, *, dtype=torch.float64, device=DEVICE, seed=0, dup=True, index_dtype=torch.int64):
     """Teacher slots with ~25 % masked (axolotl padding: id 0, log-prob -1e9), one fully masked token,
-    a repeated id, student logits / hidden states / LM head / labels."""
+    a repeated id (``dup``; "tail" refuses one, so its tests pass dup=False), student logits / hidden
+    states / LM head / labels."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)]) if K <= V else \
         torch.randint(0, V, (N, K), generator=g)
@@ -104,7 +105,7 @@ def test_gathered(N, K, V, dtype, temperature):
 @pytest.mark.parametrize("N,K,V", SHAPES)
 @pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float64, 1.7)])
 def test_from_logits(N, K, V, normalize, dtype, temperature):
-    d = make(N, K, V, dtype=dtype)
+    d = make(N, K, V, dtype=dtype, dup=normalize != "tail")
     z = leaf(d["z"])
     got = grads(sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,
                                                     temperature=temperature), [z])
@@ -116,9 +117,9 @@ def test_from_logits(N, K, V, normalize, dtype, temperature):
 
 @pytest.mark.parametrize("normalize", NORMS)
 @pytest.mark.parametrize("ce_weight,bias,temperature", [(0.0, False, 1.0), (0.5, True, 1.0), (0.3, True, 2.0)])
-@pytest.mark.parametrize("chunk_size", [4, 0])
+@pytest.mark.parametrize("chunk_size", [4, None])
 def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
-    d = make(9, 4, 41, dtype=torch.float64)
+    d = make(9, 4, 41, dtype=torch.float64, dup=normalize != "tail")
     h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"]) if bias else None
     params = [p for p in (h, w, b) if p is not None]
     kw = dict(normalize=normalize, temperature=temperature, lm_head_bias=b, labels=d["labels"], ce_weight=ce_weight)
@@ -130,8 +131,8 @@ def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
 
 
 def test_from_hidden_equals_from_logits():
-    d = make(11, 5, 53, dtype=torch.float32)
     for normalize in NORMS:
+        d = make(11, 5, 53, dtype=torch.float32, dup=normalize != "tail")
         h, w = leaf(d["h"]), leaf(d["w"])
         a = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize,
                                                       temperature=1.5, chunk_size=4), [h, w])
@@ -161,7 +162,7 @@ def test_identity_full_is_topk_minus_P_log_Q():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_tail_is_nonnegative(seed):
-    d = make(13, 6, 131, dtype=torch.float32, seed=seed)
+    d = make(13, 6, 131, dtype=torch.float32, seed=seed, dup=False)
     t = d["t"] - 0.5 * torch.rand(d["t"].shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     _, tok = sparsefuse.topk_kd_loss_from_logits(d["z"] * 3, d["ids"], t, d["m"], normalize="tail",
                                                  return_per_token=True)
@@ -184,6 +185,32 @@ def test_tail_when_the_student_puts_all_its_mass_on_the_slots(dtype):
     assert_close(got, want, dtype, "hidden loss")
 
 
+def test_tail_refuses_repeated_unmasked_ids():
+    """A repeated id counts its student mass twice in Q, which can pass 1 (1 - Q clamped: a loss of
+    33.9 and gradients of 5e36 in float32 once). Checked with the index checks (on for CPU tensors)."""
+    if DEVICE == "cuda":
+        sparsefuse.set_index_checks(True)
+    try:
+        z = torch.tensor([[4.0, 0, 0, 0, 0, 0], [0, 1, 2, 3, 4, 5]], device=DEVICE)
+        h, w = torch.randn(2, 3, device=DEVICE), torch.randn(6, 3, device=DEVICE)
+        ids = torch.tensor([[1, 2], [0, 0]], device=DEVICE)
+        t = torch.full((2, 2), 0.3, device=DEVICE).log()
+        msg = (r"target_token_ids repeats id 0 among the unmasked slots of token 1 \(flattened\); "
+               "normalize='tail' needs distinct ids")
+        with pytest.raises(ValueError, match=msg):
+            sparsefuse.topk_kd_loss_from_logits(z, ids, t, normalize="tail")
+        with pytest.raises(ValueError, match=msg):
+            sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, normalize="tail")
+        # a repeat in a masked slot is padding; "topk" and "full" take repeated slots (they add up)
+        m = torch.tensor([[True, True], [True, False]], device=DEVICE)
+        assert torch.isfinite(sparsefuse.topk_kd_loss_from_logits(z, ids, t, m, normalize="tail"))
+        for normalize in ("topk", "full"):
+            assert torch.isfinite(sparsefuse.topk_kd_loss_from_logits(z, ids, t, normalize=normalize))
+    finally:
+        if DEVICE == "cuda":
+            sparsefuse.set_index_checks(None)
+
+
 @pytest.mark.parametrize("normalize", ["topk", "full"])
 def test_from_hidden_float64_backward_rescale(normalize):
     """An incoming gradient of 1 + 2^-30 is not 1 in float64: the backward must apply it."""
@@ -198,7 +225,7 @@ def test_from_hidden_float64_backward_rescale(normalize):
 
 @pytest.mark.parametrize("normalize", NORMS)
 def test_from_hidden_strided_bias(normalize):
-    d = make(5, 3, 23, dtype=torch.float64)
+    d = make(5, 3, 23, dtype=torch.float64, dup=normalize != "tail")
     b = leaf(torch.randn(2 * 23, dtype=torch.float64, device=DEVICE))
     h = leaf(d["h"])
     got = grads(sparsefuse.topk_kd_loss_from_hidden(h, d["w"], d["ids"], d["t"], d["m"], normalize=normalize,
@@ -212,7 +239,7 @@ def test_from_hidden_strided_bias(normalize):
 def test_gradcheck_temperature(normalize):
     """fp64 finite differences of the returned loss (T**2 included) at T != 1: the gradient is the
     gradient of what is returned."""
-    d = make(3, 2, 5)
+    d = make(3, 2, 5, dup=normalize != "tail")
     z = leaf(d["z"])
     fn = lambda z: sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,  # noqa: E731
                                                        temperature=2.3)
@@ -231,7 +258,7 @@ def test_gradcheck_from_hidden():
 
 
 def test_fully_masked_tokens_give_zero():
-    d = make(5, 3, 37, dtype=torch.float32)
+    d = make(5, 3, 37, dtype=torch.float32, dup=False)
     m = d["m"].clone()
     m[2] = False
     for normalize in NORMS:
@@ -279,7 +306,7 @@ def test_reductions():
 
 
 def test_per_token_output_is_differentiable():
-    d = make(5, 3, 37, dtype=torch.float64)
+    d = make(5, 3, 37, dtype=torch.float64, dup=False)
     z = leaf(d["z"])
     w = torch.rand(5, dtype=torch.float64, device=DEVICE)
     loss, tok = sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize="tail",
@@ -328,6 +355,82 @@ def test_retain_graph_backward_twice_from_hidden(normalize):
             assert_close(x.grad, (1 + weight) * x0, torch.float64, "accumulated grad")
 
 
+def _fp16_head_case():
+    """N = 32 tokens at hidden ~6000 whose teacher puts 0.9 on id 0 and the student ~1 on id 1: the
+    true mean weight gradient at row 0 is about -5.4e3, its sum over the tokens at weight 1 -1.7e5."""
+    N, H, V = 32, 4, 8
+    g = torch.Generator().manual_seed(0)
+    h = 6000 + 20 * torch.randn(N, H, generator=g)
+    w = 0.01 * torch.randn(V, H, generator=g)
+    w[0], w[1] = -0.01, 0.02
+    b = 0.1 * torch.randn(V, generator=g)
+    ids = torch.tensor([[0, 1]]).expand(N, 2).contiguous()
+    t = torch.tensor([[0.9, 0.1]]).log().expand(N, 2).contiguous()
+    return [x.to(DEVICE) for x in (h.half(), w.half(), b.half(), ids, t)]
+
+
+@pytest.mark.parametrize("normalize,items", [("full", None), ("topk", None), ("full", 24.0), ("topk", "tensor")],
+                         ids=["full-mean", "topk-mean", "full-items24", "topk-items-tensor"])
+def test_from_hidden_float16_weight_and_bias_gradients_stay_in_range(normalize, items):
+    """float16 gradients are computed at a per-token weight of 1 (the mean's 1/N would make grad_hidden
+    subnormal); the weight gradient sums over the tokens and, at weight 1, went to -inf here. It and
+    the bias gradient are stored scaled by a power of two; an incoming gradient of 3, then a second
+    backward through the retained graph, check the factors the backward divides out."""
+    h, w, b, ids, t = _fp16_head_case()
+    num_items = torch.tensor(32.0, device=DEVICE) if items == "tensor" else items
+    kw = dict(normalize=normalize, num_items_in_batch=num_items)
+    params = [leaf(h), leaf(w), leaf(b)]
+    loss = sparsefuse.topk_kd_loss_from_hidden(params[0], params[1], ids, t, lm_head_bias=params[2], **kw)
+    got = torch.autograd.grad(3 * loss, params, retain_graph=True)
+    again = torch.autograd.grad(loss, params)
+    p64 = [leaf(x.double()) for x in (h, w, b)]
+    want = torch.autograd.grad(ref.topk_kd_loss_from_hidden(p64[0], p64[1], ids, t.double(), lm_head_bias=p64[2],
+                                                            **kw)[0], p64)
+    assert want[1].abs().max() > 5000  # and its sum over the 32 tokens is past 65504
+    names = ["grad_hidden", "grad_weight", "grad_bias"]
+    compare(got, [3 * x for x in want], torch.float16, names)
+    compare(again, want, torch.float16, names)
+
+
+def test_later_backward_after_a_zero_incoming_gradient_raises():
+    """The first backward scales the gradients computed in the forward in place; after an incoming
+    gradient of 0 they are gone, and a later backward through the retained graph once returned NaN."""
+    d = make(5, 3, 23, dtype=torch.float64)
+    h = leaf(d["h"])
+    loss = sparsefuse.topk_kd_loss_from_hidden(h, d["w"], d["ids"], d["t"], d["m"], normalize="topk")
+    (g0,) = torch.autograd.grad(0 * loss, h, retain_graph=True)
+    assert (g0 == 0).all()
+    with pytest.raises(RuntimeError, match="a later backward through a retained graph cannot be computed: the first "
+                                           "backward's incoming gradient was 0"):
+        torch.autograd.grad(loss, h)
+
+
+def test_from_hidden_per_token_loss_refuses_a_gradient():
+    """The per-token loss of the hidden form is not differentiable; a gradient sent into it was once
+    dropped silently. Eager: RuntimeError. Traced, the backward sees zeros for an unused output and
+    cannot raise: a non-zero gradient there makes the returned gradients NaN."""
+    d = make(5, 3, 23, dtype=torch.float64)
+
+    def fn(h):
+        return sparsefuse.topk_kd_loss_from_hidden(h, d["w"], d["ids"], d["t"], d["m"], normalize="topk",
+                                                   return_per_token=True)
+
+    h = leaf(d["h"])
+    loss, tok = fn(h)
+    with pytest.raises(RuntimeError, match=r"a gradient reached the per-token loss \(return_per_token=True\), "
+                                           "which is not differentiable"):
+        torch.autograd.grad(loss + tok.sum(), h)
+    loss, tok = fn(h)
+    (want,) = torch.autograd.grad(loss, h)  # unused: fine
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    loss, tok = compiled(h)
+    (g,) = torch.autograd.grad(loss, h)
+    assert_close(g, want, torch.float64, "compiled, per-token loss unused")
+    loss, tok = compiled(h)
+    (g,) = torch.autograd.grad(loss + tok.sum(), h)
+    assert torch.isnan(g).all()
+
+
 # --- API, compile, opcheck, errors ---------------------------------------------------------------
 
 
@@ -341,7 +444,7 @@ def test_compat_kd_loss_triton_is_the_masked_sum():
 
 
 def test_module():
-    d = make(5, 3, 37, dtype=torch.float32)
+    d = make(5, 3, 37, dtype=torch.float32, dup=False)
     mod = sparsefuse.TopKKDLoss(normalize="tail", temperature=2.0)
     assert "tail" in repr(mod)
     want = sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="tail", temperature=2.0)
@@ -371,7 +474,7 @@ def test_module():
 
 
 def test_compile_fullgraph():
-    d = make(6, 3, 37, dtype=torch.float32)
+    d = make(6, 3, 37, dtype=torch.float32, dup=False)
 
     def fn(z, h, w):
         a = sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize="tail", temperature=1.5)
@@ -387,7 +490,7 @@ def test_compile_fullgraph():
 
 
 def test_opcheck():
-    d = make(5, 3, 37, dtype=torch.float32)
+    d = make(5, 3, 37, dtype=torch.float32, dup=False)
     m = d["m"]
     ops = torch.ops.sparsefuse
     zk = d["z"][:, :3].contiguous()
@@ -408,7 +511,7 @@ def test_opcheck():
 def test_opcheck_column_major_inputs():
     """The kernels return contiguous gradients whatever the inputs' layout; the fakes must say so
     (a fake that copied a column-major input's strides would mislead torch.compile)."""
-    d = make(5, 3, 37, dtype=torch.float32)
+    d = make(5, 3, 37, dtype=torch.float32, dup=False)
     m = d["m"]
     ops = torch.ops.sparsefuse
     cm = lambda x: x.t().contiguous().t()  # noqa: E731
@@ -478,6 +581,53 @@ def test_index_out_of_range_without_checks_gives_nan():
     assert torch.equal(gw, gw2) and torch.equal(gb, gb2)
 
 
+@pytest.mark.parametrize("normalize", NORMS)
+def test_out_of_range_id_without_checks_kernels_match_reference(normalize):
+    """Index checks off: a token with an unmasked id outside [0, V) gets a NaN loss and a NaN gradient
+    row in every mode ("topk" once left its logits row finite, as if the slot were masked), and the
+    ops' PyTorch implementations (reference.py) compute the same outputs (they once raised in gather).
+    From hidden states: with "topk" and no cross-entropy the bad slot adds nothing to the weight and
+    bias gradients; otherwise the NaN row reaches every column of them."""
+    from sparsefuse.kd import kernels
+
+    d = make(5, 3, 37, dtype=torch.float64, dup=normalize != "tail")
+    ids = d["ids"].clone()
+    ids[3, 0] = 40
+    code = ref.NORMALIZE[normalize]
+    one = torch.ones((), dtype=torch.float64, device=DEVICE)
+    sparsefuse.set_index_checks(False)
+    try:
+        logits, hidden = [], []
+        for fwd, bwd, hid in ((kernels.logits_fwd, kernels.logits_bwd, kernels.hidden_fwd),
+                              (ref.kd_logits_fwd, ref.kd_logits_bwd, ref.kd_hidden_fwd)):
+            loss, tok, scale, lse, A, corr = fwd(d["z"], ids, d["t"], d["m"], code, 1.3, 1, None, 1.0)
+            logits.append((loss, tok, bwd(one, None, d["z"], ids, d["m"], lse, A, corr, scale, code, 1.3)))
+            hidden.append([hid(d["h"], d["w"], d["b"], ids, d["t"], d["m"], d["labels"], code, 1.3, 1, None, 1.0,
+                               ce, True, True, True, 0) for ce in (0.0, 0.5)])
+    finally:
+        sparsefuse.set_index_checks(None)
+    loss, tok, g = logits[0]
+    assert torch.isnan(loss) and torch.isnan(tok[3]) and torch.isnan(g[3]).all()
+    assert torch.isfinite(torch.cat([g[:3], g[4:]])).all()
+    for a, b in zip(logits[0] + sum(hidden[0], ()), logits[1] + sum(hidden[1], ())):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
+    gw, gb = hidden[0][0][3:5]  # without cross-entropy
+    assert [bool(torch.isfinite(x).all()) for x in (gw, gb)] == [normalize == "topk"] * 2
+
+
+def test_reference_topk_gradient_with_large_logits():
+    """reference.kd_logits_bwd (the CPU implementation without the interpreter) gets lse = 0 for "topk";
+    its dense term 0 * exp(z) overflowed float32 past z = 88 and made the row NaN."""
+    d = make(5, 3, 37, dtype=torch.float32)
+    z = d["z"] + 100
+    _, _, scale, lse, A, corr = ref.kd_logits_fwd(z, d["ids"], d["t"], d["m"], 0, 1.0, 1, None, 1.0)
+    g = ref.kd_logits_bwd(torch.ones((), device=DEVICE), None, z, d["ids"], d["m"], lse, A, corr, scale, 0, 1.0)
+    z64 = leaf(z.double())
+    (want,) = torch.autograd.grad(ref.topk_kd_loss_from_logits(z64, d["ids"], d["t"].double(), d["m"],
+                                                               normalize="topk")[0], z64)
+    assert_close(g, want, torch.float32, "grad")
+
+
 def test_bad_inputs():
     d = make(5, 3, 37, dtype=torch.float32)
     z, ids, t, m = d["z"], d["ids"], d["t"], d["m"]
@@ -503,6 +653,76 @@ def test_bad_inputs():
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"][:, :11], ids, t, m)
     with pytest.raises(TypeError, match="lm_head_bias has dtype float64; expected one of float32"):
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, lm_head_bias=d["b"].double())
+
+
+def test_module_refuses_options_of_the_hidden_form():
+    """lm_head_bias, labels and ce_weight only act in the hidden-state form; elsewhere they were once
+    ignored silently."""
+    d = make(5, 3, 37, dtype=torch.float32)
+    args = (d["z"], d["ids"], d["t"], d["m"])
+    with pytest.raises(ValueError, match="TopKKDLoss: ce_weight=0.5 is used by the hidden-state form only; pass "
+                                         "lm_head_weight"):
+        sparsefuse.TopKKDLoss(ce_weight=0.5)(*args)
+    with pytest.raises(ValueError, match="TopKKDLoss: labels is used by the hidden-state form only"):
+        sparsefuse.TopKKDLoss()(*args, labels=d["labels"])
+    with pytest.raises(ValueError, match="TopKKDLoss: lm_head_bias is used by the hidden-state form only"):
+        sparsefuse.TopKKDLoss()(*args, lm_head_bias=d["b"])
+    with pytest.raises(ValueError, match="TopKKDLoss: labels is used by the hidden-state form only"):
+        sparsefuse.TopKKDLoss(normalize="topk")(d["z"][:, :3], d["t"], d["m"], labels=d["labels"])
+
+
+def test_trainable_teacher_logprobs_are_refused():
+    """The teacher is fixed: no gradient reaches target_logprobs (the reference would give one)."""
+    d = make(5, 3, 37, dtype=torch.float32)
+    t = leaf(d["t"])
+    forms = (lambda t: sparsefuse.topk_kd_loss(d["z"][:, :3], t, d["m"]),
+             lambda t: sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], t, d["m"]),
+             lambda t: sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], t, d["m"]))
+    for form in forms:
+        with pytest.raises(ValueError, match=r"target_logprobs requires grad, but the teacher is treated as fixed "
+                                             r".*pass target_logprobs.detach\(\)"):
+            form(t)
+        with torch.no_grad():
+            assert_close(form(t), form(t.detach()), torch.float32, "under no_grad")
+
+
+def test_scalar_options_are_checked():
+    np = pytest.importorskip("numpy")
+    d = make(5, 3, 37, dtype=torch.float32)
+    args = (d["z"], d["ids"], d["t"], d["m"])
+    f = sparsefuse.topk_kd_loss_from_logits
+    assert_close(f(*args, temperature=np.float32(2.0)), f(*args, temperature=2.0), torch.float32, "numpy T")
+    for bad in (True, -1.0, float("inf"), float("nan"), "2"):
+        with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+            f(*args, temperature=bad)
+    with pytest.raises(TypeError, match="temperature must be a Python number, not a tensor"):
+        f(*args, temperature=torch.tensor(2.0))
+
+    def hid(**kw):
+        return sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"], labels=d["labels"], **kw)
+
+    assert_close(hid(ce_weight=np.float64(0.5), chunk_size=np.int64(2)), hid(ce_weight=0.5), torch.float32, "numpy")
+    for bad in (-0.5, float("nan"), True, "0.5", None):
+        with pytest.raises(ValueError, match="ce_weight must be a non-negative finite number"):
+            hid(ce_weight=bad)
+    with pytest.raises(TypeError, match="ce_weight must be a Python number, not a tensor"):
+        hid(ce_weight=torch.tensor(0.5))
+    with pytest.raises(ValueError, match="ce_weight must be a non-negative finite number"):
+        sparsefuse.TopKKDLoss(ce_weight=float("nan"))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"chunk_size must be a positive integer or None \(automatic\)"):
+            hid(chunk_size=bad)
+
+
+def test_weight_grad_configs_share_one_block_e():
+    """BLOCK_E sets the order in which the weight-gradient kernel sums a row's slots; autotuned, it
+    made the gradient differ between processes (on an H200, BLOCK_E = 64 against 32: up to 3e-5). It
+    is fixed (kernels._WG_BLOCK_E); the GPU configs vary the tile width and pipelining only. The GPU
+    test below runs every config."""
+    from sparsefuse.kd import kernels
+
+    assert len(kernels.WG_GPU_CONFIGS) > 1
+    assert all("BLOCK_E" not in c.kwargs for c in kernels.WG_GPU_CONFIGS)
 
 
 def test_missing_targets_are_named():
@@ -545,7 +765,8 @@ def test_num_items_in_batch_is_checked():
 
 def test_cpu_reference_path_raises_the_same_index_error():
     """Without TRITON_INTERPRET, CPU tensors take the PyTorch reference: the ops range-check the ids
-    and labels before either implementation runs, so the error is the documented IndexError."""
+    and labels (and, for "tail", look for repeated ids) before either implementation runs, so the
+    error is the documented IndexError (ValueError)."""
     code = r"""
 import pytest, torch, sparsefuse, sparsefuse._registry as r
 assert not r.INTERPRET
@@ -558,6 +779,10 @@ for normalize in ("topk", "full"):
         sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, normalize=normalize)
 with pytest.raises(IndexError, match=r"labels holds 7, outside \[0, 5\)"):
     sparsefuse.topk_kd_loss_from_hidden(h, w, ids % 5, t, labels=torch.tensor([7, -100]), ce_weight=1.0)
+for call in (lambda ids: sparsefuse.topk_kd_loss_from_logits(z, ids, t, normalize="tail"),
+             lambda ids: sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t, normalize="tail")):
+    with pytest.raises(ValueError, match="target_token_ids repeats id 1 among the unmasked slots of token 1"):
+        call(torch.tensor([[0, 3], [1, 1]]))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -584,7 +809,7 @@ GPU_DTYPES = [torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("normalize", NORMS)
 @pytest.mark.parametrize("N,K,V", [(300, 64, 5003), (17, 128, 128256)])
 def test_gpu_from_logits(N, K, V, normalize, dtype):
-    d = make(N, K, V, dtype=dtype, device="cuda")
+    d = make(N, K, V, dtype=dtype, device="cuda", dup=normalize != "tail")
     z = leaf(d["z"])
     got = grads(sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,
                                                     temperature=1.3), [z])
@@ -609,7 +834,7 @@ def test_gpu_gathered(dtype):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("normalize,ce_weight", [("full", 0.0), ("tail", 0.5), ("topk", 0.0), ("topk", 0.5)])
 def test_gpu_from_hidden(normalize, ce_weight, dtype):
-    d = make(700, 64, 32011, H=256, dtype=dtype, device="cuda")
+    d = make(700, 64, 32011, H=256, dtype=dtype, device="cuda", dup=normalize != "tail")
     h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
     kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"], ce_weight=ce_weight)
     got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=256, **kw), [h, w, b])
@@ -621,13 +846,38 @@ def test_gpu_from_hidden(normalize, ce_weight, dtype):
 
 @pytest.mark.gpu
 def test_gpu_compile_and_hidden_equals_logits():
-    d = make(512, 64, 50000, H=128, dtype=torch.bfloat16, device="cuda")
+    d = make(512, 64, 50000, H=128, dtype=torch.bfloat16, device="cuda", dup=False)
     fn = lambda h, w: sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize="tail")  # noqa
     h, w = leaf(d["h"]), leaf(d["w"])
     a = grads(torch.compile(fn, fullgraph=True)(h, w), [h, w])
     h2, w2 = leaf(d["h"]), leaf(d["w"])
     b = grads(sparsefuse.topk_kd_loss_from_logits(h2 @ w2.t(), d["ids"], d["t"], d["m"], normalize="tail"), [h2, w2])
     compare(a, b, torch.bfloat16, ["loss", "grad_hidden", "grad_weight"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_weight_grad_is_bitwise_equal_across_configs(dtype, monkeypatch):
+    """The LM-head weight gradient ("topk" from hidden states) is deterministic whichever config the
+    autotuner picks: every config in kernels.WG_GPU_CONFIGS gives the same bits. About 650 slots per
+    id make the sums long."""
+    from sparsefuse import _launch
+    from sparsefuse.kd import kernels
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    N, H, V, K = 4096, 512, 1000, 8
+    h = torch.randn(N, H, device="cuda", generator=gen).to(dtype)
+    ids = torch.randint(0, 50, (N, K), device="cuda", generator=gen)
+    mask = torch.rand(N, K, device="cuda", generator=gen) > 0.1
+    g = torch.randn(N, K, device="cuda", generator=gen)  # dL/dz at the slots, float32 as in hidden_fwd
+    outs = []
+    for cfg in kernels.WG_GPU_CONFIGS:
+        monkeypatch.setattr(kernels._kd_weight_grad_kernel, "configs", [cfg])  # one config: no tuning
+        monkeypatch.setattr(_launch, "_TUNED", {})
+        outs.append(kernels.lm_weight_grad(ids, mask, g, h, V, dtype))
+    assert torch.isfinite(outs[0]).all() and (outs[0][:50] != 0).any(-1).all() and (outs[0][50:] == 0).all()
+    for cfg, out in zip(kernels.WG_GPU_CONFIGS[1:], outs[1:]):
+        assert torch.equal(out, outs[0]), f"{cfg} differs from {kernels.WG_GPU_CONFIGS[0]}"
 
 
 # --- offsets past 2^31 (GPU tier; a tiny run of the same checks is in the CPU tier) ----------------
@@ -650,13 +900,17 @@ def _edge_rows(n, stride):
 
 
 def _teacher(N, K, V, dtype, gen, first=()):
-    """ids [N, K] (slots 0.. hold the ids in ``first``, always unmasked), log-probs, mask on gen's device."""
+    """ids [N, K] (slots 0.. hold the distinct ids in ``first``, always unmasked), log-probs, mask on
+    gen's device. A slot repeating an earlier slot's id is masked: unmasked ids are distinct, as a
+    teacher's are ("tail" requires it)."""
     dev = gen.device
     ids = torch.randint(0, V, (N, K), device=dev, generator=gen)
     if first:
         ids[:, :len(first)] = torch.tensor(first, device=dev)
     m = torch.rand(N, K, device=dev, generator=gen) > 0.25
     m[:, :max(1, len(first))] = True
+    earlier = torch.ones(K, K, dtype=torch.bool, device=dev).tril(-1)  # [k, j]: j < k
+    m &= ~((ids[:, :, None] == ids[:, None, :]) & earlier).any(-1)
     t = torch.log_softmax(torch.randn(N, K, device=dev, generator=gen, dtype=torch.float64) * 2, -1) - 0.2
     return ids, torch.where(m, t, -1e9).to(dtype), m
 

@@ -28,6 +28,8 @@ int64); tile offsets within a row (``o_v``, ``o_h``, ``o_k``) stay int32. The GP
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -42,11 +44,14 @@ _ROW_MIN_PROGRAMS = 4 if INTERPRET else 4096  # backward: split rows along V unt
 _TOPK_TILE = 512 if INTERPRET else 4096  # gathered kernel: BLOCK_N * BLOCK_K elements
 _HID_BLOCK_H, _HID_WARPS = (32, 1) if INTERPRET else (128, 2)  # H200 sweep (kd/profile.py): 1.9 ms at N*K = 2^19
 _WG_BLOCK_V = 16 if INTERPRET else 64  # vocab rows per weight-gradient program (fixed: the segments depend on it)
-_WG_CONFIGS = (
-    [triton.Config(dict(BLOCK_E=16, BLOCK_H=16), num_warps=1)] if INTERPRET else
-    [triton.Config(dict(BLOCK_E=e, BLOCK_H=h), num_warps=w, num_stages=s)
-     for e, h, w, s in ((32, 128, 4, 2), (64, 128, 4, 2), (32, 256, 8, 2), (64, 64, 4, 3), (32, 128, 4, 3))]
-)
+# Slots per step of the weight-gradient kernel, fixed like BLOCK_V: it sets the order in which a row's
+# slots are summed, so an autotuned BLOCK_E would make the weight gradient differ between processes
+# (an H200 run found BLOCK_E = 64 and 32 differing by up to 3e-5; configs sharing BLOCK_E agreed bitwise).
+_WG_BLOCK_E = 16 if INTERPRET else 32
+#: The weight-gradient kernel's GPU autotune configs: tile width and pipelining only (see _WG_BLOCK_E).
+WG_GPU_CONFIGS = [triton.Config(dict(BLOCK_H=h), num_warps=w, num_stages=s)
+                  for h, w, s in ((128, 4, 2), (256, 8, 2), (64, 4, 3), (128, 4, 3))]
+_WG_CONFIGS = [triton.Config(dict(BLOCK_H=16), num_warps=1)] if INTERPRET else WG_GPU_CONFIGS
 _REDUCE_BLOCK = 64 if INTERPRET else 1024
 _TOPK_WARPS = 4
 _SCALE_BLOCK = 1024 if INTERPRET else 8192
@@ -287,6 +292,11 @@ def _kd_row_bwd_kernel(
         b_f += tl.load(gt_ptr + i_n).to(ACC)
     b_ckd = b_f * temperature
     b_cA = b_ckd * tl.load(a_ptr + i_n)
+    # "topk" has no dense term and A = 0, except NaN for a token with an out-of-range id (index
+    # checks off): adding c * A to every element makes that token's whole row NaN, as in the other modes.
+    b_nan = 0.0
+    if NORMALIZE == 0:
+        b_nan = b_cA
     b_lse = 0.0
     if NORMALIZE > 0:
         b_lse = tl.load(lse_ptr + i_n)
@@ -304,7 +314,7 @@ def _kd_row_bwd_kernel(
     b_tot = tl.sum(tl.where(m_eq, b_corr[None, :], 0.0), 1) * b_ckd  # [BLOCK_K]
     m_mine = m_on & (b_ids >= v_lo) & (b_ids < v_hi)
     b_zk = tl.load(p_z + b_ids, mask=m_mine, other=0).to(ACC)
-    b_vk = b_tot
+    b_vk = b_tot + b_nan
     if NORMALIZE > 0:
         b_vk += b_cA * tl.exp(b_zk * inv_t - b_lse)
     if HAS_CE:
@@ -313,22 +323,20 @@ def _kd_row_bwd_kernel(
         m_lab = (i_lab != IGNORE) & (i_lab >= v_lo) & (i_lab < v_hi)
         b_zl = tl.load(p_z + i_lab, mask=m_lab, other=0).to(ACC)
         b_vk += b_fc * tl.exp(b_zk - b_lse1) - tl.where(b_ids == i_lab, b_fc, 0.0)
-        b_vl = b_fc * tl.exp(b_zl - b_lse1) - b_fc
+        b_vl = b_fc * tl.exp(b_zl - b_lse1) - b_fc + b_nan
         b_vl += tl.sum(tl.where(m_on & (b_ids == i_lab), b_corr, 0.0), 0) * b_ckd
         if NORMALIZE > 0:
             b_vl += b_cA * tl.exp(b_zl * inv_t - b_lse)
     for i_v in range(v_lo, v_hi, BLOCK_V):
         o_v = i_v + tl.arange(0, BLOCK_V)
         m_v = o_v < v_hi
+        b_g = tl.zeros([BLOCK_V], dtype=ACC) + b_nan
         if NORMALIZE > 0 or HAS_CE:
             b_z = tl.load(p_z + o_v, mask=m_v, other=0).to(ACC)  # [BLOCK_V]
-            b_g = tl.zeros([BLOCK_V], dtype=ACC)
             if NORMALIZE > 0:
                 b_g += b_cA * tl.exp(b_z * inv_t - b_lse)
             if HAS_CE:
                 b_g += b_fc * tl.exp(b_z - b_lse1)
-        else:
-            b_g = tl.zeros([BLOCK_V], dtype=ACC)
         tl.store(p_g + o_v, b_g.to(g_ptr.dtype.element_ty), mask=m_v)
     tl.debug_barrier()
     tl.store(p_g + b_ids, b_vk.to(g_ptr.dtype.element_ty), mask=m_mine)
@@ -409,13 +417,14 @@ def _kd_weight_grad_kernel(
     V,
     H,
     K,
+    alpha,  # factor applied to the sums before the store (a power of two: exact)
     SPLIT: tl.constexpr,  # 16-bit h: feed g to the matrix unit as hi + lo 16-bit parts
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """gw[v] = sum over slots e with id v of g[e] * h[token(e)], for a tile of BLOCK_V vocab rows.
+    """gw[v] = alpha * sum over slots e with id v of g[e] * h[token(e)], for a tile of BLOCK_V vocab rows.
 
     The tile's slots are contiguous in sorted order. Each step takes BLOCK_E of them: a one-hot
     [BLOCK_V, BLOCK_E] matrix carrying g times the gathered [BLOCK_E, BLOCK_H] hidden rows, on the
@@ -444,7 +453,7 @@ def _kd_weight_grad_kernel(
         else:
             b_acc = tl.dot(b_a.to(b_h.dtype), b_h, b_acc, input_precision="ieee", out_dtype=ACC)
     p_out = gw_ptr + o_v[:, None] * H + o_h[None, :]
-    tl.store(p_out, b_acc.to(gw_ptr.dtype.element_ty), mask=(o_v < V)[:, None] & m_h[None, :])
+    tl.store(p_out, (b_acc * alpha).to(gw_ptr.dtype.element_ty), mask=(o_v < V)[:, None] & m_h[None, :])
 
 
 @triton.jit
@@ -635,9 +644,10 @@ def logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize
     return g
 
 
-def lm_weight_grad(ids, mask, g, hidden, V, out_dtype):
-    """[V, H] weight gradient of the gathered logits z[n, k] = <h[n], W[ids[n, k]]>: sum over slots
-    of g[n, k] * h[n] into row ids[n, k]. Masked slots sort past the last vocab tile and are skipped."""
+def lm_weight_grad(ids, mask, g, hidden, V, out_dtype, alpha=1.0):
+    """[V, H] weight gradient of the gathered logits z[n, k] = <h[n], W[ids[n, k]]>: alpha times the sum
+    over slots of g[n, k] * h[n] into row ids[n, k]. Masked slots sort past the last vocab tile and are
+    skipped."""
     N, H = hidden.shape
     out = torch.empty(V, H, device=hidden.device, dtype=out_dtype)
     if H == 0:
@@ -650,9 +660,9 @@ def lm_weight_grad(ids, mask, g, hidden, V, out_dtype):
     seg = torch.searchsorted(sorted_keys, bounds)
     K = ids.shape[1]
     launch_tuned(_kd_weight_grad_kernel, lambda meta: (n_tiles, cdiv(H, meta["BLOCK_H"])),
-                 (seg, sorted_keys, order, g, hidden, out, V, H, K),
+                 (seg, sorted_keys, order, g, hidden, out, V, H, K, float(alpha)),
                  dict(SPLIT=hidden.dtype in (torch.float16, torch.bfloat16), ACC=_tl_dtype(acc_dtype(hidden)),
-                      BLOCK_V=_WG_BLOCK_V),
+                      BLOCK_V=_WG_BLOCK_V, BLOCK_E=_WG_BLOCK_E),
                  (_kd_weight_grad_kernel, H, K, g.dtype, hidden.dtype, out.dtype, hidden.device))
     return out
 
@@ -663,10 +673,16 @@ def chunk_rows(N, V, itemsize, chunk_size=0):
     return max(1, min(N, 1 << max(0, (CHUNK_BYTES // max(V * itemsize, 1)).bit_length() - 1)))
 
 
+def _pow2_at_most(x: float) -> float:
+    """The largest power of two <= x (x > 0)."""
+    return math.ldexp(1.0, math.frexp(x)[1] - 1)
+
+
 def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction, num_items,
                num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size):
-    """See reference.kd_hidden_fwd: loss and per-token loss, and the gradients for an incoming
-    gradient of 1 (empty when not needed)."""
+    """See reference.kd_hidden_fwd: loss and per-token loss, the gradients for an incoming gradient
+    of 1 (empty when not needed), and ``applied`` [2]: the factors grad_hidden and (grad_weight,
+    grad_bias) carry relative to those gradients (the backward divides them out)."""
     N, H = hidden.shape
     V = weight.shape[0]
     K = ids.shape[1]
@@ -686,11 +702,24 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
     tok = torch.empty(N, device=dev, dtype=acc)
     flags = mask.any(-1) if mask.dtype == torch.bool else (mask != 0).any(-1)
     _, scale = reduce(None, None, flags, labels, reduction, num_items, num_items_value, ce_weight, acc)
-    applied = torch.ones(1, device=dev, dtype=acc)
+    applied = torch.ones(2, device=dev, dtype=acc)
+    alpha = 1.0
     if hidden.dtype == torch.float16:
         # fp16 gradients divided by the token count fall into subnormals: compute them for a KD
-        # weight of 1 and let the backward's rescale apply the reduction weight (applied = 1 / w).
-        applied = (1.0 / scale[:1]).contiguous()
+        # weight of 1 and let the backward's rescale apply the reduction's weight w (on the device:
+        # "mean" counts the tokens there), so grad_hidden carries 1 / w. The weight and bias
+        # gradients sum over all N tokens, so at weight 1 they could pass fp16's 65504 where the true
+        # ones do not: their fp32 sums are multiplied before the cast by alpha, a power of two
+        # (exact) known on the host, and carry alpha / w <= 1: alpha <= w for "sum" and a number
+        # num_items_in_batch, and alpha <= 1 / N <= w for "mean". A tensor num_items_in_batch is not
+        # known on the host; alpha is taken as for "mean", so they carry num_items / next_pow2(N).
+        if reduction == 2 and num_items is None:
+            w = 1.0 / num_items_value
+        else:
+            w = 1.0 if reduction == 0 else 1.0 / max(N, 1)
+        alpha = _pow2_at_most(w)
+        inv_w = 1.0 / scale[:1]
+        applied = torch.cat([inv_w, inv_w * alpha])
         scale = scale / scale[0]
 
     if normalize == 0 and not has_ce:
@@ -705,13 +734,13 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
         elif need_gh:
             gh.zero_()
         loss, _ = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
-        gw = lm_weight_grad(ids, mask, g, hidden, V, weight.dtype) if need_gw else weight.new_empty(0)
+        gw = lm_weight_grad(ids, mask, g, hidden, V, weight.dtype, alpha) if need_gw else weight.new_empty(0)
         if need_gb:
             # masked and out-of-range slots (index checks off; their g is NaN) add nothing, as in lm_weight_grad
             ok = (mask != 0) & (ids >= 0) & (ids < V)
             clean = torch.where(ok, ids, torch.zeros_like(ids)).reshape(-1).long()
             g_ok = torch.where(ok, g, torch.zeros_like(g)).reshape(-1)
-            gb = torch.zeros(V, device=dev, dtype=acc).index_add_(0, clean, g_ok).to(bias.dtype)
+            gb = torch.zeros(V, device=dev, dtype=acc).index_add_(0, clean, g_ok).mul_(alpha).to(bias.dtype)
         else:
             gb = hidden.new_empty(0)
         return loss, tok, gh, gw, gb, applied
@@ -741,18 +770,18 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
         _row_bwd(z, z, ids[r0:r1], m8[r0:r1], lab_c, lse, A, corr, lse1, None, None, scale, normalize, temperature)
         if need_gh:
             torch.mm(z, weight, out=gh[r0:r1])
-        if need_gw:
+        if need_gw:  # alpha scales the matmul's fp32 sums before they are rounded to the weight's dtype
             if r0 == 0:
-                torch.mm(z.t(), h_c, out=gw)
+                torch.addmm(gw, z.t(), h_c, beta=0, alpha=alpha, out=gw)  # beta = 0: gw's contents are ignored
             else:
-                gw.addmm_(z.t(), h_c)
+                gw.addmm_(z.t(), h_c, alpha=alpha)
         if need_gb:
             gb_acc += z.sum(0, dtype=acc)
     if N == 0:
         if need_gw:
             gw.zero_()
     loss, _ = reduce(tok, ce_tok, flags, labels, reduction, num_items, num_items_value, ce_weight, acc)
-    gb = gb_acc.to(bias.dtype) if need_gb else hidden.new_empty(0)
+    gb = gb_acc.mul_(alpha).to(bias.dtype) if need_gb else hidden.new_empty(0)
     return loss, tok, gh, gw, gb, applied
 
 
@@ -765,8 +794,9 @@ def rescale_(x: torch.Tensor, g: torch.Tensor, applied: torch.Tensor) -> None:
 
 
 def hidden_bwd(grad_loss, gh, gw, gb, applied):
-    """Rescale the forward's gradients to the incoming gradient, then record the new factor."""
+    """Rescale the forward's gradients to the incoming gradient, then record the new factors."""
     g = grad_loss.contiguous()
-    for x in (gh, gw, gb):
-        rescale_(x, g, applied)
-    applied.copy_(g.reshape(1).to(applied.dtype))
+    rescale_(gh, g, applied[:1])
+    rescale_(gw, g, applied[1:])
+    rescale_(gb, g, applied[1:])
+    applied.copy_(g.reshape(1).to(applied.dtype).expand(2))

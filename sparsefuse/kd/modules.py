@@ -6,7 +6,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from .ops import topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
+from .ops import _check_number, topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
 
 
 class TopKKDLoss(nn.Module):
@@ -19,7 +19,9 @@ class TopKKDLoss(nn.Module):
       when no token ids are given;
     * ``(logits, target_token_ids, target_logprobs, target_mask)``: full logits ``[..., V]``;
     * ``(hidden, target_token_ids, target_logprobs, target_mask, lm_head_weight=W, lm_head_bias=b,
-      labels=y)``: hidden states through the fused LM head.
+      labels=y)``: hidden states through the fused LM head. ``lm_head_bias``, ``labels`` and a
+      non-zero ``ce_weight`` belong to this form only: without ``lm_head_weight`` they raise
+      ``ValueError``.
 
     ``num_items_in_batch`` may be passed per call. With ``return_per_token`` it returns
     ``(loss, per_token)``. See :func:`sparsefuse.topk_kd_loss_from_logits` for the math and
@@ -30,7 +32,8 @@ class TopKKDLoss(nn.Module):
                  ce_weight: float = 0.0, chunk_size: Optional[int] = None, return_per_token: bool = False):
         super().__init__()
         self.normalize, self.temperature, self.reduction = normalize, temperature, reduction
-        self.ce_weight, self.chunk_size, self.return_per_token = ce_weight, chunk_size, return_per_token
+        self.ce_weight = _check_number("ce_weight", ce_weight, positive=False)
+        self.chunk_size, self.return_per_token = chunk_size, return_per_token
 
     def extra_repr(self) -> str:
         return (f"normalize={self.normalize!r}, temperature={self.temperature}, reduction={self.reduction!r}, "
@@ -47,6 +50,11 @@ class TopKKDLoss(nn.Module):
                 inputs, lm_head_weight, target_token_ids, target_logprobs, target_mask, normalize=self.normalize,
                 lm_head_bias=lm_head_bias, labels=labels, ce_weight=self.ce_weight, chunk_size=self.chunk_size,
                 **common)
+        for name, given in (("lm_head_bias", lm_head_bias is not None), ("labels", labels is not None),
+                            (f"ce_weight={self.ce_weight}", self.ce_weight != 0)):
+            if given:
+                raise ValueError(f"TopKKDLoss: {name} is used by the hidden-state form only; pass lm_head_weight "
+                                 f"(and hidden states as the input), or leave it out")
         logprobs_second = isinstance(target_token_ids, Tensor) and target_token_ids.is_floating_point()
         if target_token_ids is None or (logprobs_second and (target_logprobs is None or target_mask is None)):
             # gathered form; positionally, (z, t, m) arrives as (inputs, target_token_ids, target_logprobs)

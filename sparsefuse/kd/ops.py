@@ -12,6 +12,23 @@ the per-token loss is the forward KL  T^2 * sum_k p_k (t_k - log q_k), where ``n
 log-softmax over the vocabulary, ``"tail"`` full plus the (K+1)-th bucket
 (1 - P) log((1 - P) / (1 - Q)) (a KL over K + 1 outcomes, never negative). Masked slots are left out
 of every sum and normaliser; a token with no unmasked slot contributes 0 and gets a zero gradient.
+
+Teacher slots. Padding slots must be masked (``target_mask``) for ``"topk"`` and ``"tail"`` (and
+so for the gathered form): an unmasked slot enters the student's normaliser (lse_K, Q) whatever its
+log-prob, so a padding log-prob of -1e9 or -inf does not remove it there (it does under ``"full"``,
+where p = 0 makes the slot contribute nothing). The unmasked ids of a token should be distinct, as
+a teacher's top-K ids are: ``"tail"`` requires it (a repeated id would count the token's student
+mass twice in Q, which can pass 1; with index checks on, see ``set_index_checks``, it raises
+``ValueError``); under ``"full"`` repeated slots act as one slot with the summed probability (same
+gradient, the loss differs by a constant); under ``"topk"`` each slot is one outcome of the
+renormalised distribution, so a repeated id is counted twice in it. The teacher is fixed:
+``target_logprobs`` that requires grad (with grad mode on) raises ``ValueError``; pass
+``target_logprobs.detach()``. With index checks off, an unmasked id outside ``[0, V)`` makes its
+token's loss (so the loss) NaN and its whole gradient row (logits, or ``grad_hidden``) NaN in
+every mode; from hidden states the weight and bias gradients then are NaN too (the row enters every
+column), except for ``"topk"`` without cross-entropy, where the bad slot adds nothing to them (the
+token's other slots add what they would if it were masked).
+
 Reductions: ``"sum"``; ``"mean"`` over tokens that have an unmasked slot (counted on the device);
 ``num_items_in_batch`` (a positive number, or a one-element tensor on the inputs' device) divides
 the sum instead, for gradient accumulation.
@@ -27,6 +44,7 @@ and call their launchers directly (``sparsefuse/_registry.py``).
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Union
 
@@ -64,10 +82,19 @@ def _normalize_code(normalize):
     return NORMALIZE[normalize]
 
 
+def _check_number(name, x, *, positive):
+    """A finite Python or NumPy number (not a bool), > 0 (``positive``) or >= 0, as a float. A tensor
+    is refused: reading its value (float(tensor)) would be a host sync."""
+    if isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a Python number, not a tensor (reading a tensor's value is a host sync)")
+    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    if not ok or not (x > 0 if positive else x >= 0):
+        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {x!r}")
+    return float(x)
+
+
 def _check_temperature(temperature):
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    return float(temperature)
+    return _check_number("temperature", temperature, positive=True)
 
 
 def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
@@ -75,6 +102,9 @@ def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
     if with_ids:
         check_tensor("target_token_ids", ids, dtypes=INDEX_DTYPES, device=dev)
     check_tensor("target_logprobs", logprobs, dtypes=FLOAT_DTYPES, device=dev)
+    if logprobs.requires_grad and torch.is_grad_enabled():
+        raise ValueError("target_logprobs requires grad, but the teacher is treated as fixed (no gradient would "
+                         "reach it); pass target_logprobs.detach()")
     name, shape = ("target_token_ids", tuple(ids.shape)) if with_ids else ("target_logprobs", tuple(logprobs.shape))
     if len(shape) < 1 or shape[-1] < 1:
         raise ValueError(f"{name} must end in a K >= 1 dimension, got shape {shape}")
@@ -92,14 +122,25 @@ def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
     return (ids.reshape(-1, K) if with_ids else None), t, m, shape[:-1]
 
 
-def _check_ids(ids, mask, V, labels=None):
-    """Range-check the unmasked ids (and the labels that are not -100) when index checks are on.
+def _check_ids(ids, mask, V, labels=None, distinct=False):
+    """Range-check the unmasked ids (and the labels that are not -100) when index checks are on,
+    and with ``distinct`` (``"tail"``) reject an id repeated among a token's unmasked slots.
 
     Both implementations of an op (the Triton launcher and, on CPU without the interpreter, the
-    PyTorch reference) run this first, so a bad id raises the same ``IndexError`` on either. It
-    reads the data, so it lives inside the ops, where ``torch.compile`` does not trace it."""
+    PyTorch reference) run this first, so a bad id raises the same error on either. It reads the
+    data, so it lives inside the ops, where ``torch.compile`` does not trace it."""
     if index_checks_enabled(ids):
-        check_index_range("target_token_ids", torch.where(mask != 0, ids, torch.zeros_like(ids)), V)
+        on = mask != 0
+        check_index_range("target_token_ids", torch.where(on, ids, torch.zeros_like(ids)), V)
+        if distinct and ids.shape[1] > 1 and ids.shape[0]:
+            # masked slots get distinct negative keys, so only unmasked ids can repeat
+            keys = torch.where(on, ids.long(), -1 - torch.arange(ids.shape[1], device=ids.device)).sort(-1).values
+            rep = keys[:, 1:] == keys[:, :-1]
+            if bool(rep.any()):
+                n, k = rep.nonzero()[0].tolist()
+                raise ValueError(f"target_token_ids repeats id {keys[n, k].item()} among the unmasked slots of token "
+                                 f"{n} (flattened); normalize='tail' needs distinct ids (the K slots and the tail are "
+                                 f"K + 1 distinct outcomes)")
     if labels is not None and index_checks_enabled(labels):
         check_index_range("labels", torch.where(labels != reference.IGNORE_INDEX, labels, torch.zeros_like(labels)), V)
 
@@ -159,9 +200,11 @@ def topk_kd_loss(
 
     Args:
         student_logits_topk: ``[..., K]`` student logits at the teacher's top-K token ids.
-        target_logprobs: ``[..., K]`` teacher log-probabilities (padding may hold -1e9 or -inf).
-        target_mask: ``[..., K]`` bool or 0/1; None means every slot counts.
-        temperature: T > 0; divides the student logits; the loss is multiplied by T^2.
+        target_logprobs: ``[..., K]`` teacher log-probabilities (fixed: one that requires grad raises
+            ``ValueError``; pass it detached).
+        target_mask: ``[..., K]`` bool or 0/1; None means every slot counts. Padding slots must be
+            masked: an unmasked slot enters the renormalisation whatever its log-prob (-1e9, -inf).
+        temperature: T > 0, a Python number; divides the student logits; the loss is multiplied by T^2.
         reduction: ``"mean"`` (over tokens with an unmasked slot) or ``"sum"``.
         num_items_in_batch: if given (a positive number, or a one-element tensor whose value is not
             checked), the loss is the sum divided by it (in place of ``reduction``'s divisor).
@@ -202,16 +245,16 @@ def _logits_bwd_op(grad_loss: Tensor, grad_tok: Optional[Tensor], z: Tensor, ids
     return kernels.logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature)
 
 
-def _logits_reference(z, ids, t, mask, *args):
-    _check_ids(ids, mask, z.shape[1])
-    return reference.kd_logits_fwd(z, ids, t, mask, *args)
+def _logits_reference(z, ids, t, mask, normalize, *args):
+    _check_ids(ids, mask, z.shape[1], distinct=normalize == 2)
+    return reference.kd_logits_fwd(z, ids, t, mask, normalize, *args)
 
 
 @register_op("kd_logits", fake=_logits_fake, reference=_logits_reference)
 def _logits_op(z: Tensor, ids: Tensor, t: Tensor, mask: Tensor, normalize: int, temperature: float, reduction: int,
                num_items: Optional[Tensor], num_items_value: float
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_ids(ids, mask, z.shape[1])
+    _check_ids(ids, mask, z.shape[1], distinct=normalize == 2)
     return kernels.logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value)
 
 
@@ -245,8 +288,10 @@ def topk_kd_loss_from_logits(
         logits: ``[..., V]`` student logits (leading dimensions match the targets').
         target_token_ids: ``[..., K]`` teacher top-K token ids in ``[0, V)`` (masked slots may hold
             anything; unmasked ids outside the range raise ``IndexError``, see ``set_index_checks``).
+            A token's unmasked ids should be distinct; ``"tail"`` requires it (``ValueError`` when
+            index checks are on; see the module docstring).
         target_logprobs, target_mask, temperature, reduction, num_items_in_batch, return_per_token:
-            as in :func:`topk_kd_loss`.
+            as in :func:`topk_kd_loss` (padding slots must be masked for ``"topk"`` and ``"tail"``).
         normalize: ``"topk"``, ``"full"`` (default) or ``"tail"`` (see the module docstring).
 
     Returns:
@@ -280,7 +325,7 @@ def _hidden_fake(hidden, weight, bias, ids, t, mask, labels, normalize, temperat
     gh = hidden.new_empty(hidden.shape) if need_gh else hidden.new_empty(0)
     gw = weight.new_empty(weight.shape) if need_gw else weight.new_empty(0)
     gb = bias.new_empty(bias.shape) if need_gb else hidden.new_empty(0)
-    return hidden.new_empty((), dtype=acc), hidden.new_empty(N, dtype=acc), gh, gw, gb, hidden.new_empty(1, dtype=acc)
+    return hidden.new_empty((), dtype=acc), hidden.new_empty(N, dtype=acc), gh, gw, gb, hidden.new_empty(2, dtype=acc)
 
 
 def _hidden_bwd_fake(grad_loss, grad_hidden, grad_weight, grad_bias, applied):
@@ -291,13 +336,14 @@ def _hidden_bwd_fake(grad_loss, grad_hidden, grad_weight, grad_bias, applied):
              mutates_args=("grad_hidden", "grad_weight", "grad_bias", "applied"))
 def _hidden_bwd_op(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor,
                    applied: Tensor) -> None:
-    """Rescale the forward's gradients in place to the incoming gradient (no-op when it is 1)."""
+    """Rescale the forward's gradients in place to the incoming gradient (no-op when it is 1);
+    ``applied`` [2] holds the factors (grad_hidden's, then grad_weight's and grad_bias's) they carry."""
     kernels.hidden_bwd(grad_loss, grad_hidden, grad_weight, grad_bias, applied)
 
 
-def _hidden_reference(hidden, weight, bias, ids, t, mask, labels, *args):
-    _check_ids(ids, mask, weight.shape[0], labels)
-    return reference.kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, *args)
+def _hidden_reference(hidden, weight, bias, ids, t, mask, labels, normalize, *args):
+    _check_ids(ids, mask, weight.shape[0], labels, distinct=normalize == 2)
+    return reference.kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, *args)
 
 
 @register_op("kd_hidden", fake=_hidden_fake, reference=_hidden_reference)
@@ -305,7 +351,7 @@ def _hidden_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tens
                labels: Optional[Tensor], normalize: int, temperature: float, reduction: int,
                num_items: Optional[Tensor], num_items_value: float, ce_weight: float, need_gh: bool, need_gw: bool,
                need_gb: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_ids(ids, mask, weight.shape[0], labels)
+    _check_ids(ids, mask, weight.shape[0], labels, distinct=normalize == 2)
     return kernels.hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction,
                               num_items, num_items_value, ce_weight, need_gh, need_gw, need_gb, chunk_size)
 
@@ -314,14 +360,25 @@ class _HiddenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, *args):
         loss, tok, gh, gw, gb, applied = _hidden_op(hidden, weight, bias, *args)
-        ctx.mark_non_differentiable(tok)
+        # tok stays differentiable so that a gradient reaching it is seen (and refused) in backward,
+        # rather than dropped; set_materialize_grads(False) makes its gradient None when unused
         ctx.save_for_backward(gh, gw, gb, applied)
         ctx.set_materialize_grads(False)
         ctx.handed_out = False  # whether a backward has returned the saved gradients
         return loss, tok
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_tok):
+    def backward(ctx, grad_loss, grad_tok):
+        if grad_tok is not None:
+            if not torch.compiler.is_compiling():
+                raise RuntimeError("topk_kd_loss_from_hidden: a gradient reached the per-token loss (return_per_"
+                                   "token=True), which is not differentiable: the gradients are computed in the "
+                                   "forward pass for the returned loss only. Use the per-token loss detached, or "
+                                   "topk_kd_loss_from_logits, whose per-token loss is differentiable")
+            # Traced, the gradient of an unused output is a tensor of zeros, not None: a non-zero one
+            # makes every returned gradient NaN instead (no host sync).
+            used = (grad_tok != 0).any()
+            grad_loss = torch.where(used, float("nan"), grad_tok.new_zeros(()) if grad_loss is None else grad_loss)
         gh, gw, gb, applied = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (need_h and gh.dim() == 1) or (need_w and gw.dim() == 1) or (need_b and gb.numel() == 0):
@@ -332,11 +389,18 @@ class _HiddenFunction(torch.autograd.Function):
         if ctx.handed_out:
             # A later backward (retain_graph): the caller holds the tensors returned before (a
             # leaf's .grad may even be one of them), so scale new ones by grad_loss / applied.
-            f = grad_loss.to(applied.dtype) / applied[0]
-            gh, gw, gb = ((x.to(f.dtype) * f).to(x.dtype) for x in (gh, gw, gb))
+            # The first backward scaled the saved gradients to its incoming gradient; if that was 0
+            # (or not finite) they are lost. Checking costs a host sync, in this rare path only.
+            if not torch.compiler.is_compiling() and bool(((applied == 0) | ~applied.isfinite()).any()):
+                raise RuntimeError("topk_kd_loss_from_hidden: a later backward through a retained graph cannot be "
+                                   "computed: the first backward's incoming gradient was 0 (or not finite), and "
+                                   "the gradients, computed in the forward pass and scaled in place by it, are "
+                                   "lost. Compute the loss again")
+            f = grad_loss.to(applied.dtype) / applied
+            gh, gw, gb = ((x.to(f.dtype) * fx).to(x.dtype) for x, fx in ((gh, f[0]), (gw, f[1]), (gb, f[1])))
         else:
             # .data: the rescale mutates the saved gradients without bumping the saved tensors' version,
-            # so a later backward can still unpack them (`applied` records the factor they now carry).
+            # so a later backward can still unpack them (`applied` records the factors they now carry).
             _hidden_bwd_op(grad_loss, gh.data, gw.data, gb.data, applied.data)
             ctx.handed_out = True
         return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 14
@@ -363,7 +427,12 @@ def topk_kd_loss_from_hidden(
     token and never touches V. Gradients are computed in the forward pass (for an incoming
     gradient of 1) and rescaled in place on the device in the backward; a further backward through
     a retained graph (``retain_graph=True``) scales copies instead, so it is exact too and leaves the
-    gradients already returned unchanged.
+    gradients already returned unchanged, unless the first backward's incoming gradient was 0 (the
+    in-place rescale then zeroed them): that later backward raises ``RuntimeError``. With float16
+    inputs the forward computes the gradients at a per-token weight of 1 (the reduction's 1/count
+    would make them subnormal) and, where they sum over tokens (weight and bias), scaled by a power
+    of two at most the reduction's weight, so they stay within float16's range; the backward
+    divides these factors out.
 
     Args:
         hidden: ``[..., H]`` student hidden states.
@@ -373,10 +442,12 @@ def topk_kd_loss_from_hidden(
         normalize, temperature, reduction, num_items_in_batch: as in :func:`topk_kd_loss_from_logits`.
         lm_head_bias: ``[V]`` (same dtype as ``lm_head_weight``) or None.
         labels: ``[...]`` hard labels for an added cross-entropy (ignore index -100), or None.
-        ce_weight: weight of the cross-entropy term, computed on the untempered logits with the same
-            reduction (``"mean"``: over labels that are not -100).
-        return_per_token: also return the per-token KD loss ``[...]`` (not differentiable).
-        chunk_size: tokens per chunk (default: from the vocabulary size).
+        ce_weight: weight (a finite number >= 0) of the cross-entropy term, computed on the untempered
+            logits with the same reduction (``"mean"``: over labels that are not -100).
+        return_per_token: also return the per-token KD loss ``[...]``. It is not differentiable (the
+            gradients are computed in the forward pass for ``loss``): a backward that sends a gradient
+            into it raises ``RuntimeError``. Use it detached, or the logits form.
+        chunk_size: tokens per chunk, a positive integer, or None (default: from the vocabulary size).
 
     Returns:
         ``loss`` (float32, or float64 for float64 inputs), or ``(loss, per_token)``.
@@ -393,8 +464,12 @@ def topk_kd_loss_from_hidden(
     check_tensor("lm_head_bias", lm_head_bias, shape=(V,), dtypes=(lm_head_weight.dtype,), device=dev, optional=True)
     if V < 1:
         raise ValueError("lm_head_weight must have at least one row (V >= 1)")
+    ce_weight = _check_number("ce_weight", ce_weight, positive=False)
     if ce_weight and labels is None:
         raise ValueError("ce_weight is set but labels is None")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}")
     if labels is not None:
         check_tensor("labels", labels, dtypes=INDEX_DTYPES, device=dev)
         if tuple(labels.shape) != lead:
@@ -407,7 +482,7 @@ def topk_kd_loss_from_hidden(
     w = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
     loss, tok = _HiddenFunction.apply(
         h, w, lm_head_bias, ids, t, m, labels if ce_weight else None, mode, T, red, items, items_v,
-        float(ce_weight), _needs_grad(hidden), _needs_grad(lm_head_weight), _needs_grad(lm_head_bias),
-        int(chunk_size or 0),
+        ce_weight, _needs_grad(hidden), _needs_grad(lm_head_weight), _needs_grad(lm_head_bias),
+        0 if chunk_size is None else int(chunk_size),
     )
     return (loss, tok.reshape(lead)) if return_per_token else loss

@@ -224,21 +224,38 @@ def _gather(z, ids, valid):
     return z.gather(-1, torch.where(valid, ids, torch.zeros_like(ids)).long())
 
 
+def _slots(ids, mask, V):
+    """(valid, bad): unmasked slots with an id in [0, V), and unmasked slots outside it (which only
+    reach the ops with index checks off)."""
+    on = mask != 0
+    inside = (ids >= 0) & (ids < V)
+    return on & inside, on & ~inside
+
+
+def _poison(bad, loss, A, corr):
+    """As the kernels do for a token with an out-of-range id: its loss and A (so its whole gradient
+    row) NaN, and the bad slots' corrections NaN."""
+    row = bad.any(-1)
+    return loss.masked_fill(row, float("nan")), A.masked_fill(row, float("nan")), corr.masked_fill(bad, float("nan"))
+
+
 def kd_logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
     dt = acc_dtype(z, t)
-    valid = mask != 0
+    valid, bad = _slots(ids, mask, z.shape[1])
     s = z.to(dt) / temperature
     lse = torch.logsumexp(s, -1) if normalize else torch.zeros(z.shape[0], dtype=dt)
-    loss, A, corr = slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize)
+    loss, A, corr = _poison(bad, *slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize))
     tok = loss * temperature**2
     scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt)
     return (tok * scale[0]).sum(), tok, scale, lse, A, corr
 
 
-def dense_grad(z, ids, mask, lse, A, corr, c_kd, temperature, labels=None, lse1=None, c_ce=None):
-    """dL/dz [N, V] in the accumulation dtype: c_kd * T * (A q + slot corrections) (+ c_ce * (softmax - onehot))."""
-    g = (c_kd * temperature * A)[:, None] * (z.to(A.dtype) / temperature - lse[:, None]).exp()
-    valid = mask != 0
+def dense_grad(z, ids, valid, lse, A, corr, c_kd, temperature, labels=None, lse1=None, c_ce=None):
+    """dL/dz [N, V] in the accumulation dtype: c_kd * T * (A q + corrections at the valid slots)
+    (+ c_ce * (softmax - onehot)). Rows with A = 0 get no dense term ("topk" passes lse = 0, where
+    exp(s) could overflow); a NaN A makes the row NaN."""
+    q = (z.to(A.dtype) / temperature - lse[:, None]).exp()
+    g = torch.where(A[:, None] == 0, 0.0, (c_kd * temperature * A)[:, None] * q)
     g = g.scatter_add(-1, torch.where(valid, ids, torch.zeros_like(ids)).long(),
                       corr * (c_kd * temperature)[:, None])
     if labels is not None:
@@ -253,25 +270,27 @@ def dense_grad(z, ids, mask, lse, A, corr, c_kd, temperature, labels=None, lse1=
 def kd_logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature):
     del normalize
     f = _row_scale(grad_loss.to(A.dtype), grad_tok, scale[0], z.shape[0])
-    return dense_grad(z, ids, mask, lse, A, corr, f, temperature).to(z.dtype)
+    return dense_grad(z, ids, _slots(ids, mask, z.shape[1])[0], lse, A, corr, f, temperature).to(z.dtype)
 
 
 def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction, num_items,
                   num_items_value, ce_weight, need_grad_hidden, need_grad_weight, need_grad_bias, chunk_size):
     """(loss, per-token KD loss, grad_hidden, grad_weight, grad_bias, applied); gradients of the loss
-    for an incoming gradient of 1 (empty when not needed), ``applied`` the factor they carry (1)."""
+    for an incoming gradient of 1 (empty when not needed), ``applied`` [2] the factors that grad_hidden
+    and (grad_weight, grad_bias) carry (1, 1 here; see kernels.hidden_fwd for float16)."""
     del chunk_size
     dt = acc_dtype(hidden, weight, t)
     z = hidden.to(dt) @ weight.to(dt).t()
     if bias is not None:
         z = z + bias.to(dt)
-    valid = mask != 0
+    valid, bad = _slots(ids, mask, weight.shape[0])
     s = z / temperature
     lse = torch.logsumexp(s, -1)
     loss, A, corr = slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize)
-    tok = loss * temperature**2
+    tok = loss.masked_fill(bad.any(-1), float("nan")) * temperature**2
     has_ce = labels is not None and ce_weight != 0.0
-    scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt, labels if has_ce else None, ce_weight)
+    flags = (mask != 0).any(-1)  # the hidden kernels count tokens from the mask
+    scale = _scales(flags, reduction, num_items, num_items_value, dt, labels if has_ce else None, ce_weight)
     total = (tok * scale[0]).sum()
     N = z.shape[0]
     lse1 = c_ce = None
@@ -280,18 +299,26 @@ def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, tempera
         total = total + ce_sum * scale[1]
         lse1 = torch.logsumexp(z, -1)
         c_ce = scale[1].expand(N)
-    g = dense_grad(z, ids, mask, lse, A, corr, scale[0].expand(N), temperature, labels if has_ce else None, lse1, c_ce)
-    empty = hidden.new_empty(0)
-    gh = (g @ weight.to(dt)).to(hidden.dtype) if need_grad_hidden else empty
+    # A token with an out-of-range id (index checks off) gets a NaN gradient row, which reaches every
+    # column of grad_weight and grad_bias, except on the gather kernel's path ("topk" without
+    # cross-entropy), where only its grad_hidden row is NaN and the bad slot adds nothing.
+    gather_path = normalize == 0 and not has_ce
+    if not gather_path:
+        _, A, corr = _poison(bad, loss, A, corr)
+    g = dense_grad(z, ids, valid, lse, A, corr, scale[0].expand(N), temperature, labels if has_ce else None, lse1,
+                   c_ce)
+    gh = hidden.new_empty(0)
+    if need_grad_hidden:
+        gh = (g @ weight.to(dt)).masked_fill(bad.any(-1)[:, None], float("nan")).to(hidden.dtype)
     gw = (g.t() @ hidden.to(dt)).to(weight.dtype) if need_grad_weight else weight.new_empty(0)
     gb = g.sum(0).to(bias.dtype) if need_grad_bias else hidden.new_empty(0)
-    return total, tok, gh, gw, gb, torch.ones(1, dtype=dt)
+    return total, tok, gh, gw, gb, torch.ones(2, dtype=dt)
 
 
 def kd_hidden_bwd(grad_loss, grad_hidden, grad_weight, grad_bias, applied):
-    """Rescale the forward's gradients in place from the factor they carry to grad_loss."""
-    f = grad_loss.to(applied.dtype) / applied[0]
-    for x in (grad_hidden, grad_weight, grad_bias):
+    """Rescale the forward's gradients in place from the factors they carry to grad_loss."""
+    f = grad_loss.to(applied.dtype) / applied
+    for x, fx in ((grad_hidden, f[0]), (grad_weight, f[1]), (grad_bias, f[1])):
         if x.numel():
-            x.mul_(f.to(x.dtype))
-    applied.copy_(grad_loss.reshape(1).to(applied.dtype))
+            x.mul_(fx.to(x.dtype))
+    applied.copy_(grad_loss.reshape(1).to(applied.dtype).expand(2))
