@@ -4,6 +4,8 @@ CPU tier: the Triton kernels under the interpreter against ``sparsefuse.vq.refer
 float64. GPU tier (``-m gpu``): every x dtype and the benchmark shapes.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -176,10 +178,39 @@ def test_key_words_path_matches_key_tensor(semantics):
     for st, key in ((a, words), (b, reference.expand_words(words, L, DEVICE))):
         stats = kernels.ema_accumulate(x, codes, st[1], st[3], det)
         kernels.ema_apply(x, st[0], st[1], st[2], st[3], stats, key, 0.9, 1e-5, 2.0, 2.0, 2,
-                          semantics == "active", 1, 0)
+                          semantics == "active", None, 0)
     for u, v in zip(a, b):
         assert torch.equal(u, v)
     assert not torch.equal(a[0], state[0])
+
+
+def test_restart_keys_are_built_on_the_device():
+    """expand_words (the keys of a process-group update on CUDA) computes the keys on the device from
+    the four Python ints: no host tensor is copied there (on CUDA a blocking copy every step). Built
+    on meta here, under a mode that records every op given a host tensor (0-dim wrapped scalars
+    aside, which reach a CUDA kernel as arguments)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class HostInputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            copy = func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" and (t.dim() or copy)
+                   for t in tree_leaves((args, kwargs))):
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    words = (123456789, 987654321, 5, 2**31 - 2)
+    with HostInputs() as mode:
+        key = reference.expand_words(words, 3, "meta")
+    assert key.shape == (3, 4) and key.dtype == torch.int64
+    assert not mode.seen, f"host tensors reached the device: {mode.seen}"
+    want = [[(w ^ (level * reference.LEVEL_MUL)) & reference.HASH_MASK for w in words] for level in range(3)]
+    assert reference.expand_words(words, 3, "cpu").tolist() == want
 
 
 @pytest.mark.parametrize("semantics", ["active", "laplace"])
@@ -368,6 +399,10 @@ def test_ema_update_bad_inputs():
         vq_ema_update(x, codes, *state[:3], semantics="active", restart_after_steps=2)
     with pytest.raises(ValueError, match="must be contiguous"):
         vq_ema_update(x, codes, state[0].T.contiguous().T, *state[1:])
+    # eps = 0 with an empty batch made every codebook row NaN (0 / 0); a negative eps was taken as is
+    for eps in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=f"eps must be positive, got {eps}"):
+            vq_ema_update(x[:0], codes[:0], *state, eps=eps)
 
 
 def test_ema_update_generator_device_checked():
@@ -409,8 +444,7 @@ def test_unchecked_out_of_range_codes_poison_with_nan(semantics, deterministic):
     n[:, [0, 3]], s[:, [0, 3]] = float("nan"), float("nan")
     want = [t[None].double() if t.is_floating_point() else t[None].clone() for t in state]
     reference.ema_apply(x[None].double(), *want, n, s, reference.draw_key(1, x.device), decay=0.9,
-                        active=semantics == "active", eps=1e-5, threshold=0.0, reset=0.0, restart_after=0,
-                        world=1, rank=0)
+                        active=semantics == "active", eps=1e-5, threshold=0.0, reset=0.0, restart_after=0)
     for name, a, b in zip(("codebook", "cluster_size", "embed_sum"), got, want):
         _assert_nan_and_close(a, b[0], name)
     assert torch.equal(got[3], want[3][0])
@@ -435,26 +469,58 @@ def test_ema_ops_opcheck():
     torch.library.opcheck(torch.ops.sparsefuse.vq_ema_accumulate.default, acc_args)
     stats = torch.ops.sparsefuse.vq_ema_accumulate(*acc_args)
     key = reference.draw_key(1, DEVICE, torch.Generator(device=DEVICE).manual_seed(0))
-    for world in (1, 2):
+    # one process; DDP rank 0 of three ranks with different B (one empty); rank 1 of two
+    for sizes, rank in ((None, 0), (torch.tensor([13, 4, 0], device=DEVICE), 0),
+                        (torch.tensor([5, 13], device=DEVICE), 1)):
         args = (x3, codebook[None].clone(), cs[None].clone(), es[None].clone(), cnt[None].clone(), stats, key,
-                0.9, 1e-5, 1.5, 1.5, 2, False, world, 0)
+                0.9, 1e-5, 1.5, 1.5, 2, False, sizes, rank)
         torch.library.opcheck(torch.ops.sparsefuse.vq_ema_apply.default, args)
 
 
-def _compiled_update(x, codes, codebook, cs, es, cnt):
-    vq_ema_update(x, codes, codebook, cs, es, cnt, decay=0.9, semantics="laplace")
+def _compiled_update(x, codes, codebook, cs, es, cnt, generator=None):
+    vq_ema_update(x, codes, codebook, cs, es, cnt, decay=0.9, semantics="laplace", threshold=5.0, generator=generator)
     return nearest_code(x, codebook)
 
 
-def test_compile_fullgraph_parity():
-    x, codes, *state = make(17, 6, 8)
+def _check_compile_fullgraph_parity(device):
+    """An update with restarts, then a search, under torch.compile(fullgraph=True) equals eager mode.
+    The compiled update draws its restart keys from the default generator when the graph runs, as
+    eager mode does, so the same seed restarts from the same rows (on CPU both drew them with
+    torch.randint before; on CUDA eager mode reads the generator's Philox state and the compiled
+    graph used Inductor's own randint: other rows)."""
+    x, codes, *state = make(17, 6, 8, used=2, device=device)
     eager = [t.clone() for t in state]
     compiled = [t.clone() for t in state]
+    torch.manual_seed(3)
     want = _compiled_update(x, codes, *eager)
+    torch.manual_seed(3)
     got = torch.compile(_compiled_update, fullgraph=True)(x, codes, *compiled)
     assert_state(compiled, eager)
+    assert (eager[0][:, None, :] == x[None]).all(-1).any(1).sum() >= 4  # unused codes restarted from rows of x
     assert torch.equal(got[0], want[0])
     assert_close(got[1], want[1], torch.float32, "dist")
+
+
+def test_compile_fullgraph_parity():
+    _check_compile_fullgraph_parity(DEVICE)
+
+
+def test_generator_under_compile():
+    """generator= cannot enter a graph: with fullgraph=True the update says so by name (Dynamo failed
+    inside the key draw with "Failed to convert args/kwargs to proxy"); without, Dynamo runs the
+    update in eager mode, which draws the rows eager mode draws."""
+    x, codes, *state = make(12, 30, 4, used=3)
+    got = [t.clone() for t in state]
+    with pytest.raises(Exception, match="generator= cannot be traced by torch.compile"):
+        torch.compile(_compiled_update, fullgraph=True)(x, codes, *got, torch.Generator(device=DEVICE))
+    for a, b in zip(got, state):
+        assert torch.equal(a, b)
+    want = [t.clone() for t in state]
+    _compiled_update(x, codes, *want, torch.Generator(device=DEVICE).manual_seed(1))
+    torch.compile(_compiled_update)(x, codes, *got, torch.Generator(device=DEVICE).manual_seed(1))
+    assert not torch.equal(want[0], state[0])
+    for name, a, b in zip(("codebook", "cluster_size", "embed_sum", "steps_since_active"), got, want):
+        assert_same(a, b, name)
 
 
 # --- nearest-code search -----------------------------------------------------------------------------
@@ -498,6 +564,35 @@ def test_nearest_code_ties_go_to_lowest_index(precision):
     x = torch.cat([base, base + 0.01 * torch.randn(5, 16, generator=g)]).to(DEVICE)
     codes, _ = nearest_code(x, c, precision=precision)
     assert torch.equal(codes.cpu(), torch.arange(10) % 5)
+
+
+def assert_nan_rule(x, c, codes, dist, cosine=False, tol=1e-5):
+    """The documented NaN rule, which the reference follows: a NaN score ranks first (lowest index)
+    and gives dist NaN; rows without a NaN score are searched as usual."""
+    want_codes, want_dist = reference.nearest_code(x.float(), c.float(), cosine)
+    nan = want_dist.isnan()
+    assert nan.any()
+    assert torch.equal(dist.isnan(), nan), f"NaN distances at {dist.isnan().nonzero().flatten().tolist()}"
+    assert torch.equal(codes[nan], want_codes[nan])
+    if not nan.all():
+        assert_search(x[~nan], c, codes[~nan], dist[~nan], cosine, tol)
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["l2", "cos"])
+def test_nearest_code_nan_propagates(cosine):
+    """A NaN row of x gets code 0 and dist NaN (dist was 0 on a GPU: tl.maximum(NaN, 0) is 0); NaN
+    codebook rows are the code of every row, the lowest one (a GPU skipped them, the interpreter
+    returned dist 0 for one)."""
+    x, _, c, *_ = make(20, 37, 5)  # 37 codes: three of the interpreter's 16-code tiles
+    x[[3, 17], 2] = float("nan")
+    codes, dist = nearest_code(x, c, cosine=cosine)
+    assert codes[[3, 17]].tolist() == [0, 0]
+    assert_nan_rule(x, c, codes, dist, cosine)
+    c[[35, 33], 1] = float("nan")  # NaN codes in the last tile
+    codes, dist = nearest_code(x, c, cosine=cosine)
+    assert dist.isnan().all()
+    assert codes.tolist() == [0 if i in (3, 17) else 33 for i in range(20)]
+    assert_nan_rule(x, c, codes, dist, cosine)
 
 
 def test_nearest_code_float64_and_mixed():
@@ -685,6 +780,53 @@ def test_kmeans_init_needs_rows():
                    process_group=None)
     assert torch.equal(c[2:4], c[:2]) and torch.equal(c[4], c[0])
     assert torch.equal((c[:2, None] == x[None]).all(-1).sum(0), torch.ones(2, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
+def test_module_rejects_a_wrong_last_dim_before_updating(levels):
+    """x [3, 8] for dim 4 reshaped to [6, 4] and the codebook was updated before the output's view
+    failed with a RuntimeError; now a ValueError names x, and the state is untouched."""
+    m = (VectorQuantizer(4, 8, threshold=1.0) if levels is None else ResidualVQ(levels, 4, 8, threshold=1.0)).to(DEVICE)
+    before = [b.clone() for b in m.buffers()]
+    for bad in (torch.randn(3, 8, device=DEVICE), torch.tensor(1.0, device=DEVICE)):
+        with pytest.raises(ValueError, match=re.escape(f"x has shape {tuple(bad.shape)}; expected [..., 4] (dim=4)")):
+            m(bad)
+    for a, b in zip(before, m.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_kmeans_init_passes_deterministic(monkeypatch):
+    """The k-means statistics follow the module's deterministic flag (they took the global default)."""
+    from sparsefuse.vq import modules
+
+    seen = []
+    real = modules.batch_statistics
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "batch_statistics", spy)
+    for m, calls in ((VectorQuantizer(4, 6, kmeans_init=True, kmeans_iters=2, deterministic=True), 2),
+                     (ResidualVQ(2, 4, 6, kmeans_init=True, kmeans_iters=2, deterministic=True), 4)):
+        seen.clear()
+        m.to(DEVICE)(torch.randn(24, 4, device=DEVICE))
+        assert seen == [True] * calls
+
+
+def test_module_state_stays_float32_under_half():
+    """.half() / .to(dtype) moved the fp32 EMA state to fp16 and the next step failed with "codebook
+    has dtype float16"; the state now keeps float32 (and its values) and 16-bit x works."""
+    vq = VectorQuantizer(4, 8, threshold=0.5).to(DEVICE)
+    before = {k: v.clone() for k, v in vq.state_dict().items()}
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.to(DEVICE, torch.bfloat16)):
+        convert(vq)
+        for k, v in vq.state_dict().items():
+            assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+    x = torch.randn(5, 4, device=DEVICE).half()
+    out, codes, _ = vq.half()(x)
+    assert out.dtype == torch.float16 and codes.shape == (5,)
+    assert vq.codebook.dtype == torch.float32 and not torch.equal(vq.codebook, before["codebook"])
 
 
 def test_residual_vq_uses_one_multi_level_update():
@@ -877,6 +1019,58 @@ def test_gpu_nearest_code(B, K, D, cosine, precision, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision,cosine", GPU_SEARCH_MODES)
+def test_gpu_nearest_code_nan_propagates(dtype, precision, cosine):
+    """On a GPU a NaN row of x got dist 0 (tl.maximum(NaN, 0) is 0 there) and NaN codebook rows were
+    skipped; both now follow the rule of the reference (see assert_nan_rule), in every tile."""
+    x, _, c, *_ = make(1000, 333, 77, dtype=dtype)
+    c = c.to(dtype)
+    tol = 1e-5 if dtype == torch.float32 and precision != "fast" else 2e-3  # as in test_gpu_nearest_code
+    x[[5, 600, 999], 10] = float("nan")
+    codes, dist = nearest_code(x, c, cosine=cosine, precision=precision)
+    assert (codes[[5, 600, 999]] == 0).all()
+    assert_nan_rule(x, c, codes, dist, cosine, tol)
+    c[[300, 200], 3] = float("nan")  # later tiles
+    codes, dist = nearest_code(x, c, cosine=cosine, precision=precision)
+    assert dist.isnan().all() and (codes[[5, 600, 999]] == 0).all()
+    assert ((codes == 200).sum() == 997).item()
+    assert_nan_rule(x, c, codes, dist, cosine, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_parity():
+    _check_compile_fullgraph_parity("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_process_group_update_has_no_host_sync():
+    """The process-group path drew its keys with a blocking host-to-device copy (torch.tensor(...)
+    .to(device)) every step. A world-1 gloo group takes that path without collectives; CUDA's sync
+    debug mode turns any synchronising call into an error."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x, codes, *state = make(4096, 256, 64, used=200)  # restarts: the keys are used
+        kw = dict(decay=0.9, threshold=1.0, process_group=dist.group.WORLD)
+        for generator in (torch.Generator(device="cuda").manual_seed(0), None):  # compile the kernels first
+            vq_ema_update(x, codes, *state, generator=generator, **kw)
+        torch.cuda.synchronize()
+        sparsefuse.set_index_checks(False)  # a range check syncs by design (SPARSEFUSE_CHECK_INDICES=1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for generator in (torch.Generator(device="cuda").manual_seed(1), None):
+                vq_ema_update(x, codes, *state, generator=generator, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            sparsefuse.set_index_checks(None)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
 def test_gpu_nearest_code_ties():
     base = torch.randn(300, 64, device="cuda")
     c = torch.cat([base] * 4)
@@ -990,6 +1184,23 @@ def _run_big_quantize(B, D, guard, device):
     assert torch.equal(gx[first:][others], x.detach()[first:][others])
 
 
+def _run_big_strided_codebook(dtype, K, D, stride, guard, device):
+    """A codebook [K, D] whose rows lie ``stride`` elements apart (stride < 2^31 but (K - 1) * stride
+    >= 2^31), ``guard`` elements into one buffer whose guard holds another row. An int32 tile offset
+    o_k * stride would wrap for the last code and read the guard: each row of x (its code's row plus
+    noise) must find its own code."""
+    g = torch.Generator(device=device).manual_seed(3)
+    rows = torch.randn(K + 1, D, device=device, generator=g).to(dtype)
+    buf = torch.empty(guard + (K - 1) * stride + D, device=device, dtype=dtype)
+    buf[:guard].view(-1, D).copy_(rows[K])
+    c = buf[guard:].as_strided((K, D), (stride, 1))
+    c.copy_(rows[:K])
+    x = (rows[:K].float() + 0.05 * torch.randn(K, D, device=device, generator=g)).to(dtype)
+    codes, dist = nearest_code(x, c)
+    assert torch.equal(codes, torch.arange(K, device=device))
+    assert_search(x, c, codes, dist, tol=2e-3)
+
+
 def _big_ema_reference(x, codes, state, key, decay, threshold):
     """Float64 reference of a laplace update (default eps, reset = threshold, no counters) of stacked
     x [L, B, D], without a float64 copy of x or a one-hot: (state, sums, dead, restart rows)."""
@@ -1066,6 +1277,12 @@ def _run_big_ema(L, deterministic, B, D, guard, device, K=4096, bulk=512):
 def test_gpu_nearest_code_offsets_past_2_31(dtype, cosine, big_gpu):
     """x [2^24 + 2^12, 128] past 2^31 elements: 8 GiB with the guard."""
     _run_big_nearest_code(dtype, cosine, _BIG_ROWS, _BIG_D, _BIG_GUARD, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_nearest_code_codebook_offsets_past_2_31(big_gpu):
+    """bf16 codebook [5, 128] with rows 2^29 + 128 elements apart (the last at 2^31 + 512): 8 GiB."""
+    _run_big_strided_codebook(torch.bfloat16, 5, _BIG_D, (1 << 29) + _BIG_D, _BIG_GUARD, "cuda")
 
 
 @pytest.mark.gpu

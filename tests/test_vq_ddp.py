@@ -1,4 +1,5 @@
-"""DDP: the EMA update over a process group equals one process updating on the concatenated batch.
+"""DDP: the EMA update over a process group equals one process updating on the concatenated batch,
+whether the ranks hold equal or different numbers of rows (none too).
 
 CPU tier: gloo, two CPU processes. GPU tier: NCCL, one process per GPU, when two GPUs are present.
 """
@@ -35,19 +36,19 @@ def _update(x, codes, state, group, semantics, device):
                   generator=torch.Generator(device=device).manual_seed(11), process_group=group)
 
 
-def _worker(rank, port, backend, out_dir, semantics):
+def _worker(rank, port, backend, out_dir):
     sys.path.insert(0, os.path.dirname(__file__))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=WORLD)
-    x, codes, *state = _inputs(device)
-    B = x.shape[1] // WORLD
-    sl = slice(rank * B, (rank + 1) * B)
-    # every rank's own generator has the same seed; the op broadcasts rank 0's key anyway
-    _update(x[:, sl].contiguous(), codes[:, sl].contiguous(), state, dist.group.WORLD, semantics, device)
-    torch.save([t.cpu() for t in state], os.path.join(out_dir, f"rank{rank}.pt"))
+    for semantics, rows0 in CASES:
+        x, codes, *state = _inputs(device)
+        sl = slice(0, rows0) if rank == 0 else slice(rows0, x.shape[1])  # rank 0's rows first
+        # every rank's own generator has the same seed; the op uses rank 0's key anyway
+        _update(x[:, sl].contiguous(), codes[:, sl].contiguous(), state, dist.group.WORLD, semantics, device)
+        torch.save([t.cpu() for t in state], os.path.join(out_dir, f"{semantics}-{rows0}-rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
     from helpers import end_spawned_worker
@@ -55,32 +56,39 @@ def _worker(rank, port, backend, out_dir, semantics):
     end_spawned_worker()
 
 
-def _check(tmp_path, backend, semantics):
-    mp.spawn(_worker, args=(_free_port(), backend, str(tmp_path), semantics), nprocs=WORLD, join=True)
+def _check(tmp_path, backend):
+    """Every case of CASES in one process group (a spawn costs seconds, an update milliseconds)."""
+    mp.spawn(_worker, args=(_free_port(), backend, str(tmp_path)), nprocs=WORLD, join=True)
     device = "cuda" if backend == "nccl" else "cpu"
-    x, codes, *want = _inputs(device)
-    _update(x, codes, want, None, semantics, device)
     from helpers import assert_close
 
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for got in ranks:
-        for name, a, b in zip(("codebook", "cluster_size", "embed_sum", "counters"), got, want):
-            b = b.cpu()
-            if a.is_floating_point():
-                assert_close(a, b, torch.float32, name)
-            else:
-                assert torch.equal(a, b), name
-    for a, b in zip(*ranks):
-        assert torch.equal(a, b), "ranks disagree"
+    for semantics, rows0 in CASES:
+        case = f"{semantics}, rank 0 with {rows0} of 26 rows"
+        x, codes, *want = _inputs(device)
+        _update(x, codes, want, None, semantics, device)
+        ranks = [torch.load(tmp_path / f"{semantics}-{rows0}-rank{r}.pt") for r in range(WORLD)]
+        for got in ranks:
+            for name, a, b in zip(("codebook", "cluster_size", "embed_sum", "counters"), got, want):
+                b = b.cpu()
+                if a.is_floating_point():
+                    assert_close(a, b, torch.float32, f"{case}: {name}")
+                else:
+                    assert torch.equal(a, b), f"{case}: {name}"
+        for a, b in zip(*ranks):
+            assert torch.equal(a, b), f"{case}: ranks disagree"
 
 
-@pytest.mark.parametrize("semantics", ["active", "laplace"])
-def test_ddp_gloo_matches_concatenated_batch(tmp_path, semantics):
-    _check(tmp_path, "gloo", semantics)
+# (semantics, rows of rank 0 out of 26): equal halves; unequal (with each rank's own B taken as the
+# global count, ranks picked different restart rows and the summed candidates mixed two rows or
+# none); rank 0 empty (it found no dead code while rank 1 restarted some)
+CASES = [("active", 13), ("laplace", 13), ("laplace", 5), ("active", 0)]
+
+
+def test_ddp_gloo_matches_concatenated_batch(tmp_path):
+    _check(tmp_path, "gloo")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("semantics", ["active", "laplace"])
-def test_ddp_nccl_matches_concatenated_batch(tmp_path, semantics):
-    _check(tmp_path, "nccl", semantics)
+def test_ddp_nccl_matches_concatenated_batch(tmp_path):
+    _check(tmp_path, "nccl")

@@ -19,16 +19,18 @@ EMA update, two kernels (three under DDP), no B x K one-hot, no host sync:
   kernel leaves zeroed for the next update, so an update allocates nothing and launches no memset.
 * Under DDP, ``torch.distributed.all_reduce`` of the statistics sits between the two; the apply
   kernel then writes the restart rows this rank owns into a candidate buffer, which is summed over
-  ranks and installed by ``_vq_ema_restart_kernel``.
+  ranks and installed by ``_vq_ema_restart_kernel``. It reads every rank's B from a device tensor
+  (ranks may differ in B), so the global row count and this rank's first row, and with them the
+  Feistel width, are computed in the kernel.
 
 Nearest-code search: ``_nearest_code_kernel`` keeps a block of rows on chip and walks the codebook
 in tiles, computing ||c||^2 - 2 x.c with ``tl.dot`` and keeping a running (min, argmin) per row: the
-B x K matrix never exists.
+B x K matrix never exists. A NaN score ranks first (as in ``torch.argmin``) and gives a NaN distance.
 
-Offsets: x ([L, B, D] or [B, D]) may pass 2^31 elements, so every program index (and every row or code
-index loaded from memory) is int64 before it multiplies a row length or stride; the one int32 product
-left is the search's codebook tile offset ``o_k * stride_ck``, exact while K * stride_ck < 2^31. The GPU
-tests ``test_gpu_*_offsets_past_2_31`` check rows past 2^31 elements.
+Offsets: x ([L, B, D] or [B, D]) and the codebook may pass 2^31 elements, so every program index (and
+every row or code index loaded from memory, and the search's codebook tile rows) is int64 before it
+multiplies a row length or stride. The GPU tests ``test_gpu_*_offsets_past_2_31`` check rows past 2^31
+elements.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ _SEG_BLOCK_D = 64 if INTERPRET else 256
 _APPLY_WARPS = 4
 _SCAN_BLOCK = 256 if INTERPRET else 1024
 _NORM_BLOCK = 64 if INTERPRET else 128
+_WORLD_BLOCK = 64  # ranks per step of the apply kernel's sum over every rank's rows
 
 
 def _apply_block_c(K: int) -> int:
@@ -195,9 +198,20 @@ def _feistel(i, k0, k1, k2, k3, half, mask):
 
 
 @triton.jit
-def _restart_rows(i, key_ptr, w0, w1, w2, w3, i_l, n, half, KEY_WORDS: tl.constexpr):
+def _half_bits(n):
+    """reference._half_bits: the smallest h >= 1 with 4^h >= n (n an int64 scalar)."""
+    one = tl.full([], 1, tl.int64)
+    half = one
+    while (one << (2 * half)) < n:
+        half += 1
+    return half
+
+
+@triton.jit
+def _restart_rows(i, key_ptr, w0, w1, w2, w3, i_l, n, KEY_WORDS: tl.constexpr):
     """reference.restart_rows: keyed bijection of [0, n) with cycle walking. The level's keys come
     from ``key_ptr`` ([L, 4] int64) or, with KEY_WORDS, from reference.expand_words(w0..w3)."""
+    half = _half_bits(n)
     if KEY_WORDS:
         lev = i_l * _LEVEL_MUL
         k0 = (w0 ^ lev) & _HMASK
@@ -217,9 +231,23 @@ def _restart_rows(i, key_ptr, w0, w1, w2, w3, i_l, n, half, KEY_WORDS: tl.conste
 
 
 @triton.jit
-def _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE: tl.constexpr):
-    """New cluster size, new counter and dead flag of a block of codes. A NaN count (a code
-    poisoned by an out-of-range code) counts as used, so the NaN reaches the code's state."""
+def _global_rows(sizes_ptr, world, rank, BLOCK_W: tl.constexpr):
+    """(rows of all ranks, rows of the ranks before ``rank``) from ``sizes_ptr`` ([world] int64)."""
+    b_tot = tl.zeros([BLOCK_W], dtype=tl.int64)
+    b_off = tl.zeros([BLOCK_W], dtype=tl.int64)
+    for i_w in range(0, world, BLOCK_W):
+        o_w = i_w + tl.arange(0, BLOCK_W)
+        b_s = tl.load(sizes_ptr + o_w, mask=o_w < world, other=0)
+        b_tot += b_s
+        b_off += tl.where(o_w < rank, b_s, 0)
+    return tl.sum(b_tot, axis=0), tl.sum(b_off, axis=0)
+
+
+@triton.jit
+def _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, n_rows, ACTIVE: tl.constexpr):
+    """New cluster size, new counter and dead flag of a block of codes (none dead without rows:
+    ``n_rows`` counts every rank's). A NaN count (a code poisoned by an out-of-range code) counts
+    as used, so the NaN reaches the code's state."""
     m_used = (b_n > 0) | (b_n != b_n)
     b_new = decay * b_cs + omd * b_n
     if ACTIVE:
@@ -229,11 +257,11 @@ def _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIV
         m_dead = (b_cnt_new >= restart_after) & (restart_after > 0)
     else:
         m_dead = b_new < threshold
-    return b_new, b_cnt_new, m_dead & (B > 0)
+    return b_new, b_cnt_new, tl.where(n_rows > 0, m_dead, False)
 
 
 # ints that only enter scalar arithmetic are not specialised: fewer variants, cheaper launches
-@triton.jit(do_not_specialize=["parity", "restart_after", "rows_total", "row_off", "half", "w0", "w1", "w2", "w3"])
+@triton.jit(do_not_specialize=["parity", "restart_after", "world", "rank", "w0", "w1", "w2", "w3"])
 def _vq_ema_apply_kernel(
     x_ptr,  # [L, B, D] contiguous, storage dtype
     cb_ptr,  # [L, K, D] fp32 codebook (in place)
@@ -242,6 +270,7 @@ def _vq_ema_apply_kernel(
     cnt_ptr,  # [L, K] int counters (in place; HAS_COUNTERS)
     stats_ptr,  # flat fp32 (stats_layout): batch sums and counts, scratch copies of the old scalars
     key_ptr,  # [L, 4] int64 round keys of the restart permutation (unless KEY_WORDS)
+    sizes_ptr,  # [world] int64 rows of every rank (DIST)
     cand_ptr,  # [L, K, D] fp32 out: restart rows owned by this rank, zeros elsewhere (DIST)
     dead_ptr,  # [L, K] int8 out: dead flags (DIST)
     parity,  # which counts slot holds this update's counts (0 | 1, see _stats_ptrs)
@@ -254,9 +283,8 @@ def _vq_ema_apply_kernel(
     threshold,
     reset,
     restart_after,
-    rows_total,  # world * B
-    row_off,  # rank * B
-    half,  # half-width in bits of the Feistel domain
+    world,  # DIST: ranks, and this one's
+    rank,
     w0,  # KEY_WORDS: the four key words (reference.key_words)
     w1,
     w2,
@@ -269,11 +297,17 @@ def _vq_ema_apply_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SCAN: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
     s_ptr, n_ptr, sn_ptr, sc_ptr, nz_ptr = _stats_ptrs(stats_ptr, K, D, parity)
     i_start = i_c * BLOCK_C
+    # restart rows come from the global batch: every rank's rows, this rank's starting at row_off
+    if DIST:
+        n_rows, row_off = _global_rows(sizes_ptr, world, rank, BLOCK_W)
+    else:
+        n_rows, row_off = tl.zeros([], dtype=tl.int64) + B, 0
     # level-wide facts from every code's old state: Laplace total and dead codes before this block
     b_tot = tl.zeros([BLOCK_SCAN], dtype=tl.float32)
     b_before = tl.zeros([BLOCK_SCAN], dtype=tl.int32)
@@ -286,7 +320,7 @@ def _vq_ema_apply_kernel(
             b_cnt = tl.load(sc_ptr + i_l * K + o_k, mask=m_k, other=0)
         else:
             b_cnt = tl.zeros([BLOCK_SCAN], dtype=tl.float32)
-        b_new, _, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE)
+        b_new, _, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, n_rows, ACTIVE)
         b_tot += tl.where(m_k, b_new, 0.0)
         b_before += (m_k & m_dead & (o_k < i_start)).to(tl.int32)
     tot = tl.sum(b_tot, axis=0)
@@ -301,7 +335,8 @@ def _vq_ema_apply_kernel(
         b_cnt = tl.load(cnt_ptr + p_k, mask=m_c, other=0)
     else:
         b_cnt = tl.zeros([BLOCK_C], dtype=tl.int32)
-    b_new, b_cnt_new, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, B, ACTIVE)
+    b_new, b_cnt_new, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, n_rows,
+                                           ACTIVE)
     m_dead = m_dead & m_c
     m_used = (b_n > 0) | (b_n != b_n)  # as in _code_state
     if ACTIVE:
@@ -311,11 +346,11 @@ def _vq_ema_apply_kernel(
         b_sm = (b_new + eps) / (tot + K * eps) * tot
         m_refresh = (b_sm > 0) | (b_sm != b_sm)  # a NaN total (a poisoned code) reaches every code
         b_inv = 1.0 / tl.where(m_refresh, b_sm, 1.0)
-    # restart rows: dead code number r takes global row perm(r mod rows_total)
+    # restart rows: dead code number r takes global row perm(r mod n_rows)
     b_rank = n_before + tl.cumsum(m_dead.to(tl.int32), axis=0) - 1  # [BLOCK_C]
-    n_rows = tl.maximum(rows_total, 1)
+    n_rows = tl.maximum(n_rows, 1)
     b_rank = tl.where(m_dead, b_rank, 0).to(tl.int64) % n_rows
-    b_row = _restart_rows(b_rank, key_ptr, w0, w1, w2, w3, i_l, n_rows, half, KEY_WORDS) - row_off
+    b_row = _restart_rows(b_rank, key_ptr, w0, w1, w2, w3, i_l, n_rows, KEY_WORDS) - row_off
     m_own = m_dead & (b_row >= 0) & (b_row < B)
     b_row = tl.where(m_own, b_row, 0)
     if ACTIVE:
@@ -477,14 +512,12 @@ def _accumulate_config(B: int, D: int, has_cnt: bool):
 
 
 @functools.lru_cache(maxsize=256)
-def _apply_config(rows_total: int, K: int, D: int, active: bool, has_cnt: bool, dist: bool, key_words: bool,
-                  zero: bool):
-    """(code blocks, Feistel half-width, constexpr arguments) of the apply kernel; the dict is
-    shared: read only."""
+def _apply_config(K: int, D: int, active: bool, has_cnt: bool, dist: bool, key_words: bool, zero: bool):
+    """(code blocks, constexpr arguments) of the apply kernel; the dict is shared: read only."""
     block_c = _apply_block_c(K)
-    return (cdiv(K, block_c), reference._half_bits(max(rows_total, 1)),
+    return (cdiv(K, block_c),
             dict(ACTIVE=active, HAS_COUNTERS=has_cnt, DIST=dist, KEY_WORDS=key_words, ZERO_STATS=zero,
-                 BLOCK_C=block_c, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK))
+                 BLOCK_C=block_c, BLOCK_D=_block_d(D, 128), BLOCK_SCAN=_SCAN_BLOCK, BLOCK_W=_WORLD_BLOCK))
 
 
 def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=True, workspace=None):
@@ -522,28 +555,30 @@ def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=
 
 
 def ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
-              restart_after, active, world, rank, workspace=None):
+              restart_after, active, sizes, rank, workspace=None):
     """In-place blend, refresh and restart. ``key``: [L, 4] int64 tensor, or the four key words of
     reference.key_words (the eager path: no key tensor, no launch to draw it). ``stats`` from
     :func:`ema_accumulate` with the same ``workspace``, which this leaves zeroed for the next update.
-    Returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP (world > 1), else (None, None)."""
+    ``sizes``: None for one process, or under DDP the [world] int64 row counts of every rank (read
+    on the device: ranks may differ in B) with ``rank`` this one's.
+    Returns (cand [L, K, D] fp32, dead [L, K] int8) under DDP, else (None, None)."""
     L, K, D = _levels(codebook)
     B = x.shape[-2]
     x = x.contiguous()
-    dist = world > 1
+    dist = sizes is not None
     cand = dead = None
     if dist:
         cand = torch.empty((L, K, D), device=codebook.device, dtype=torch.float32)
         dead = torch.empty((L, K), device=codebook.device, dtype=torch.int8)
+        sizes = sizes.contiguous()
     key_words = not isinstance(key, torch.Tensor)
     words, key = (key, None) if key_words else ((0, 0, 0, 0), key)
-    rows_total = world * B
-    blocks, half, meta = _apply_config(rows_total, K, D, bool(active), counters is not None, dist, key_words,
-                                       workspace is not None)
+    blocks, meta = _apply_config(K, D, bool(active), counters is not None, dist, key_words, workspace is not None)
     launch(_vq_ema_apply_kernel, (blocks, L),
-           (x, codebook, cluster_size, embed_sum, counters, stats, key, cand, dead,
+           (x, codebook, cluster_size, embed_sum, counters, stats, key, sizes, cand, dead,
             0 if workspace is None else workspace.parity, B, K, D, float(decay), float(1 - decay), float(eps),
-            float(threshold), float(reset), int(restart_after), rows_total, rank * B, half, *words),
+            float(threshold), float(reset), int(restart_after), 0 if sizes is None else sizes.shape[0], int(rank),
+            *words),
            meta, _APPLY_WARPS)
     if workspace is not None:
         workspace.parity ^= 1
@@ -624,13 +659,14 @@ def _nearest_code_fwd_kernel(
     for i_k in range(0, K, BLOCK_K):
         o_k = i_k + tl.arange(0, BLOCK_K)
         m_k = o_k < K
+        p_c = c_ptr + o_k.to(tl.int64)[:, None] * stride_ck  # [BLOCK_K, 1]: K * stride_ck may pass 2^31
         b_dot = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
         for i_d in range(0, D, BLOCK_D):
             o_d = i_d + tl.arange(0, BLOCK_D)
             m_d = o_d < D
             b_x = tl.load(x_ptr + o_b[:, None] * stride_xb + o_d[None, :], mask=m_b[:, None] & m_d[None, :],
                           other=0).to(DOT_DTYPE)  # [BLOCK_B, BLOCK_D]
-            b_c = tl.load(c_ptr + o_k[:, None] * stride_ck + o_d[None, :], mask=m_k[:, None] & m_d[None, :],
+            b_c = tl.load(p_c + o_d[None, :], mask=m_k[:, None] & m_d[None, :],
                           other=0).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_D]
             b_dot = tl.dot(b_x, tl.trans(b_c), b_dot, input_precision=PRECISION)
         b_cc = tl.load(cc_ptr + o_k, mask=m_k, other=1.0)  # [BLOCK_K]
@@ -639,6 +675,9 @@ def _nearest_code_fwd_kernel(
         else:
             b_score = b_cc[None, :] - 2.0 * b_dot
         b_score = tl.where(m_k[None, :], b_score, float("inf"))  # [BLOCK_B, BLOCK_K]
+        # a NaN score (a NaN in the row or the code) ranks first, as in torch.argmin: -inf here, then
+        # NaN distance (GPU min / max would skip a NaN)
+        b_score = tl.where(b_score != b_score, float("-inf"), b_score)
         b_tmin = tl.min(b_score, axis=1)
         b_targ = tl.argmin(b_score, axis=1).to(tl.int64) + i_k
         m_upd = b_tmin < b_best  # strict: an earlier tile keeps ties (lowest index)
@@ -647,7 +686,9 @@ def _nearest_code_fwd_kernel(
     if COSINE:
         b_dist = 2.0 + 2.0 * b_best / tl.maximum(tl.sqrt(b_xx), 1e-12)
     else:
-        b_dist = tl.maximum(b_xx + b_best, 0.0)
+        b_dist = b_xx + b_best
+        b_dist = tl.where(b_dist < 0.0, 0.0, b_dist)  # not tl.maximum: on a GPU it turns NaN into 0
+    b_dist = tl.where(b_best == float("-inf"), float("nan"), b_dist)
     tl.store(codes_ptr + o_b, b_arg, mask=m_b)
     tl.store(dist_ptr + o_b, b_dist, mask=m_b)
 

@@ -12,13 +12,15 @@ from torch import Tensor, nn
 from .ops import batch_statistics, nearest_code, quantize, vq_ema_update
 
 
-def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group):
+def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group,
+            deterministic: Optional[bool] = None):
     """Lloyd's k-means on the device: (centroids [K, D] fp32, counts [K] of the last assignment).
 
     Starts from random rows of x (of rank 0 under DDP, broadcast), distinct while B >= K (with
     B < K, code k starts from the same row as code k - B); each iteration assigns with
     :func:`nearest_code` and re-centres with :func:`batch_statistics` (all-reduced over
-    ``process_group``); an empty cluster keeps its centroid.
+    ``process_group``; summed in a fixed order with ``deterministic``); an empty cluster keeps its
+    centroid.
     """
     B = x.shape[0]
     if B == 0:
@@ -33,13 +35,22 @@ def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: s
     n = torch.zeros(num_codes, device=x.device)
     for _ in range(iters):
         codes, _ = nearest_code(x, c, cosine=cosine, precision=precision)
-        n, s = batch_statistics(x, codes, num_codes, process_group)
+        n, s = batch_statistics(x, codes, num_codes, process_group, deterministic=deterministic)
         c = torch.where(n[:, None] > 0, s / n.clamp_min(1)[:, None], c)
     return c, n
 
 
 def _sync_initted(module, incompatible_keys):
     module._initted = bool(module.initted)
+
+
+def _flatten(module, x: Tensor) -> Tensor:
+    """x [..., D] as [B, D], refused by name before any state changes if its last dimension is not D."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != module.dim:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., {module.dim}] (dim={module.dim})")
+    return x.reshape(-1, module.dim)
 
 
 class VectorQuantizer(nn.Module):
@@ -60,10 +71,16 @@ class VectorQuantizer(nn.Module):
         kmeans_init, kmeans_iters: initialise the codebook with Lloyd's k-means on the first
             training batch (on the device, all-reduced over ``process_group``).
         process_group: ``torch.distributed`` group the EMA statistics are reduced over.
-        generator: optional ``torch.Generator`` for restarts and k-means seeding.
+        generator: optional ``torch.Generator`` for restarts and k-means seeding (not under
+            ``torch.compile(fullgraph=True)``; see :func:`sparsefuse.vq_ema_update`). Its state is
+            not part of ``state_dict``: to restart from the same rows after resuming, save
+            ``generator.get_state()`` with the checkpoint and ``set_state`` it back.
+        deterministic: passed to :func:`sparsefuse.vq_ema_update` and to the k-means statistics.
 
     Buffers (all in ``state_dict``): ``codebook [K, D]``, ``cluster_size [K]``, ``embed_sum [K, D]``,
-    ``steps_since_active [K]`` int64, ``initted`` bool.
+    ``steps_since_active [K]`` int64, ``initted`` bool. The float buffers stay float32 under
+    ``.half()``, ``.to(dtype)`` and the like, which move them to another device only (the update
+    keeps its state in float32 whatever the dtype of x).
     """
 
     def __init__(self, dim: int, codebook_size: int, *, decay: float = 0.99, semantics: str = "laplace",
@@ -94,6 +111,13 @@ class VectorQuantizer(nn.Module):
         self._initted = not kmeans_init
         self.register_load_state_dict_post_hook(_sync_initted)
 
+    def _apply(self, fn, recurse=True):
+        def keep_float32(t):  # .half() / .to(dtype) convert a copy; only its device is taken
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(out.device)
+
+        return super()._apply(keep_float32, recurse)
+
     def _update_kwargs(self):
         return dict(decay=self.decay, semantics=self.semantics, eps=self.eps, threshold=self.threshold,
                     reset_cluster_size=self.reset_cluster_size, restart_after_steps=self.restart_after_steps,
@@ -104,7 +128,8 @@ class VectorQuantizer(nn.Module):
         """Initialise the state from k-means on ``x [B, D]``: codebook = centroids, N = max(count, 1),
         S = N * centroid (so the first refresh keeps the centroids)."""
         c, n = _kmeans(x.detach().reshape(-1, self.dim), self.codebook_size, self.kmeans_iters, cosine=self.cosine,
-                       precision=self.precision, generator=self.generator, process_group=self.process_group)
+                       precision=self.precision, generator=self.generator, process_group=self.process_group,
+                       deterministic=self.deterministic)
         self._set_state(c, n)
         self.initted.fill_(True)
         self._initted = True
@@ -118,7 +143,7 @@ class VectorQuantizer(nn.Module):
         sel(self.steps_since_active).zero_()
 
     def forward(self, x: Tensor):
-        flat = x.reshape(-1, self.dim)
+        flat = _flatten(self, x)
         if self.training and not self._initted:
             self.kmeans_init_(flat)
         codes, _ = nearest_code(flat.detach(), self.codebook, cosine=self.cosine, precision=self.precision)
@@ -147,7 +172,8 @@ class ResidualVQ(VectorQuantizer):
         r = x.detach().reshape(-1, self.dim).float()
         for level in range(self.num_levels):
             c, n = _kmeans(r, self.codebook_size, self.kmeans_iters, cosine=self.cosine, precision=self.precision,
-                           generator=self.generator, process_group=self.process_group)
+                           generator=self.generator, process_group=self.process_group,
+                           deterministic=self.deterministic)
             self._set_state(c, n, level)
             codes, _ = nearest_code(r, c, cosine=self.cosine, precision=self.precision)
             r = r - c[codes]
@@ -155,7 +181,7 @@ class ResidualVQ(VectorQuantizer):
         self._initted = True
 
     def forward(self, x: Tensor):
-        flat = x.reshape(-1, self.dim)
+        flat = _flatten(self, x)
         if self.training and not self._initted:
             self.kmeans_init_(flat)
         resid = flat.detach().float()

@@ -2,8 +2,9 @@
 
 * :func:`vq_ema_update`: the EMA codebook update with dead-code restart, in place, for one codebook
   or L stacked residual levels at once. Ops: ``vq_ema_accumulate`` (batch statistics), then
-  ``vq_ema_apply`` (blend, refresh, counters, restart) with, under DDP, an all-reduce between them
-  and ``vq_ema_restart`` after a second one.
+  ``vq_ema_apply`` (blend, refresh, counters, restart) with, under DDP, an all-gather of every
+  rank's B and rank 0's restart keys first, an all-reduce between them and ``vq_ema_restart`` after
+  a second one. Outside plain eager mode the keys come from ``vq_draw_key``, drawn when it runs.
 * :func:`nearest_code`: fused distance + argmin search, ``nearest_code`` op.
 * :func:`quantize`: straight-through estimator fused with the commitment loss, ``vq_quantize`` op
   (eager: an ``autograd.Function`` over the same launchers).
@@ -31,6 +32,9 @@ from . import kernels, reference
 SEMANTICS = ("laplace", "active")
 PRECISIONS = ("exact", "ieee", "fast")
 _COUNTER_EXACT = 1 << 24
+_GENERATOR_COMPILE = ("vq_ema_update: generator= cannot be traced by torch.compile (a torch.Generator cannot enter a "
+                      "graph); under torch.compile pass generator=None (restart keys from the default generator, as "
+                      "in eager mode), or leave fullgraph off so that the update runs in eager mode")
 
 
 # --- EMA update: accumulate -------------------------------------------------------------------------
@@ -61,20 +65,20 @@ def _acc_op(x: Tensor, codes: Tensor, cluster_size: Tensor, counters: Optional[T
 
 
 def _apply_fake(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
-                restart_after, active, world, rank):
+                restart_after, active, sizes, rank):
     L, K, D = codebook.shape
-    dist = world > 1
+    dist = sizes is not None
     return (codebook.new_empty((L, K, D) if dist else (0,), dtype=torch.float32),
             codebook.new_empty((L, K) if dist else (0,), dtype=torch.int8))
 
 
 def _apply_reference(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold, reset,
-                     restart_after, active, world, rank):
+                     restart_after, active, sizes, rank):
     L, K, D = codebook.shape
     s, n, _, _ = kernels.split_stats(stats, L, K, D)
     return reference.ema_apply(x, codebook, cluster_size, embed_sum, counters, n, s, key, decay=decay,
                                active=active, eps=eps, threshold=threshold, reset=reset,
-                               restart_after=restart_after, world=world, rank=rank)
+                               restart_after=restart_after, sizes=sizes, rank=rank)
 
 
 @register_op("vq_ema_apply", fake=_apply_fake, reference=_apply_reference,
@@ -82,10 +86,11 @@ def _apply_reference(x, codebook, cluster_size, embed_sum, counters, stats, key,
 def _apply_op(
     x: Tensor, codebook: Tensor, cluster_size: Tensor, embed_sum: Tensor, counters: Optional[Tensor], stats: Tensor,
     key: Tensor, decay: float, eps: float, threshold: float, reset: float, restart_after: int, active: bool,
-    world: int, rank: int,
+    sizes: Optional[Tensor], rank: int,
 ) -> tuple[Tensor, Tensor]:
+    """``sizes``: None for one process; under DDP every rank's B ([world] int64, on the device)."""
     cand, dead = kernels.ema_apply(x, codebook, cluster_size, embed_sum, counters, stats, key, decay, eps, threshold,
-                                   reset, restart_after, active, world, rank)
+                                   reset, restart_after, active, sizes, rank)
     if cand is None:
         cand, dead = codebook.new_empty(0, dtype=torch.float32), codebook.new_empty(0, dtype=torch.int8)
     return cand, dead
@@ -95,19 +100,37 @@ def _restart_fake(codebook, embed_sum, cand, dead, reset):
     return None
 
 
+def _key_fake(out):
+    return None
+
+
+@register_op("vq_draw_key", fake=_key_fake, mutates_args=("out",))
+def _key_op(out: Tensor) -> None:
+    """Fill ``out [L, 4]`` int64 with restart keys from the default generator of its device, drawn
+    when the op runs: a compiled graph then draws the keys eager mode would (Inductor would
+    otherwise lower a ``torch.randint`` to its own random numbers). It writes in place so that
+    two draws are never merged as equal calls."""
+    out.copy_(reference.draw_key(out.shape[0], out.device))
+
+
 @register_op("vq_ema_restart", fake=_restart_fake, reference=reference.ema_restart,
              mutates_args=("codebook", "embed_sum"))
 def _restart_op(codebook: Tensor, embed_sum: Tensor, cand: Tensor, dead: Tensor, reset: float) -> None:
     kernels.ema_restart(codebook, embed_sum, cand, dead, reset)
 
 
-def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, generator=None):
+def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, generator=None):
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if not 0.0 <= float(decay) <= 1.0:
         raise ValueError(f"decay must lie in [0, 1], got {decay}")
-    if generator is not None and isinstance(codebook, Tensor) and generator.device.type != codebook.device.type:
-        raise ValueError(f"generator is on {generator.device} but the codebook is on {codebook.device}")
+    if not float(eps) > 0.0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if generator is not None:
+        if torch.compiler.is_compiling():
+            raise ValueError(_GENERATOR_COMPILE)
+        if isinstance(codebook, Tensor) and generator.device.type != codebook.device.type:
+            raise ValueError(f"generator is on {generator.device} but the codebook is on {codebook.device}")
     # Valid inputs pass these few comparisons (a few us of host time instead of ~15 through the
     # per-argument checks below, which run only to name what is wrong).
     if (isinstance(codebook, Tensor) and isinstance(cluster_size, Tensor) and isinstance(embed_sum, Tensor)
@@ -170,17 +193,25 @@ def vq_ema_update(
             ``threshold``, and S = N * v) or ``"active"`` (only codes used in the batch blend and
             refresh, codebook = S / max(N, eps); a code unused for ``restart_after_steps`` steps
             restarts with N = S = 0). See ``sparsefuse.vq.reference`` for the exact math.
-        eps: Laplace smoothing epsilon, or the floor on N for ``"active"``.
+        eps: Laplace smoothing epsilon, or the floor on N for ``"active"``; must be positive.
         generator: ``torch.Generator`` on the codebook's device type for the restart rows (same
-            state, same rows).
+            state, same rows); None: the device's default generator. Not under ``torch.compile``:
+            a generator cannot enter a graph, so with ``fullgraph=True`` it raises ``ValueError``
+            (without, Dynamo runs the update in eager mode). With ``generator=None`` a compiled
+            update draws its keys when the graph runs, from the default generator, as eager mode
+            does: the same restart rows as eager from the same generator state, as long as the
+            graph draws no other random numbers before it (Inductor seeds its own random ops from
+            the default generator).
         process_group: a ``torch.distributed`` group: the batch statistics (and the restart rows)
             are all-reduced over it, so every rank ends with the same state, equal to one process
-            updating on the concatenated batch. Every rank must pass the same B.
+            updating on the concatenated batch (rank 0's rows first). Ranks may pass different B
+            (B = 0 too): one all-gather, which also shares rank 0's restart keys, gives every rank
+            all B's on the device.
         deterministic: sum the statistics in a fixed order (rows sorted by code) instead of with
             atomics; default ``torch.are_deterministic_algorithms_enabled()``.
 
-    Dead codes restart from distinct random rows of x while there are at most B (world * B) of
-    them. No B x K one-hot, no host sync, fp32 state whatever the dtype of x.
+    Dead codes restart from distinct random rows of x while there are at most B (under DDP the sum
+    of every rank's B) of them. No B x K one-hot, no host sync, fp32 state whatever the dtype of x.
 
     A code outside ``[0, K)`` raises ``IndexError`` where index checks are on (see
     ``sparsefuse.set_index_checks``). Unchecked, it is never dereferenced: it poisons the nearest
@@ -197,7 +228,8 @@ def vq_ema_update(
     Under ``torch.compile`` and while a CUDA graph is captured every update allocates its own.
     """
     active = semantics == "active"
-    _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay, generator)
+    _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay, eps,
+                      generator)
     if active and restart_after_steps > 0 and steps_since_active is None:
         raise ValueError("semantics='active' with restart_after_steps > 0 needs steps_since_active")
     if restart_after_steps >= _COUNTER_EXACT:
@@ -216,7 +248,7 @@ def vq_ema_update(
         ws = None if det else kernels.ema_workspace(codebook, L, K, D)
         stats = kernels.ema_accumulate(x, codes, cluster_size, steps_since_active, det, bool(_check_codes), ws)
         kernels.ema_apply(x, codebook, cluster_size, embed_sum, steps_since_active, stats, key, decay, eps,
-                          threshold, reset, restart_after_steps, active, 1, 0, ws)
+                          threshold, reset, restart_after_steps, active, None, 0, ws)
         bump_versions(codebook, cluster_size, embed_sum, steps_since_active)
         return
     if codebook.dim() == 2 and not (eager and (codebook.is_cuda or INTERPRET)):
@@ -225,21 +257,28 @@ def vq_ema_update(
                                                                               embed_sum))
         steps_since_active = None if steps_since_active is None else steps_since_active.unsqueeze(0)
     L, K, D = kernels._levels(codebook)
-    world, rank = 1, 0
-    key = reference.draw_key(L, dev, generator)
+    if generator is None:
+        key = torch.zeros((L, 4), device=dev, dtype=torch.int64)
+        _key_op(key)
+    else:
+        key = reference.draw_key(L, dev, generator)
+    world, rank, sizes = 1, 0, None
     if process_group is not None:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         if world > 1:
-            dist.broadcast(key, src=dist.get_global_rank(process_group, 0), group=process_group)
-    stats = _acc_op(x, codes, cluster_size, steps_since_active,
-                 det, bool(_check_codes))
+            # one collective: every rank's B beside its keys; all ranks use rank 0's keys, and the
+            # apply kernel reads the B's on the device (ranks may differ in B; no host sync)
+            mine = torch.cat([torch.full((1,), x.shape[-2], device=dev, dtype=torch.int64), key.flatten()])
+            everyone = mine.new_zeros(world, mine.numel())
+            dist.all_gather(list(everyone.unbind(0)), mine, group=process_group)
+            sizes, key = everyone[:, 0], everyone[0, 1:].view(L, 4)
+    stats = _acc_op(x, codes, cluster_size, steps_since_active, det, bool(_check_codes))
     if world > 1:
         dist.all_reduce(stats[: L * K * (D + 1)], group=process_group)
-    cand, dead = _apply_op(x, codebook, cluster_size, embed_sum,
-                      steps_since_active, stats, key, float(decay), float(eps), float(threshold), reset,
-                      int(restart_after_steps), active, world, rank)
+    cand, dead = _apply_op(x, codebook, cluster_size, embed_sum, steps_since_active, stats, key, float(decay),
+                           float(eps), float(threshold), reset, int(restart_after_steps), active, sizes, rank)
     if world > 1:
         dist.all_reduce(cand, group=process_group)
         _restart_op(codebook, embed_sum, cand, dead, reset)
@@ -314,7 +353,16 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     Returns:
         ``codes [B]`` int64, ties to the lowest index; ``dist [B]`` float32 (float64 for float64
         inputs): the squared distance ``||x - c||^2`` (clamped at 0), or with ``cosine`` the squared
-        distance between the unit vectors, ``2 - 2 cos``. Extra memory O(B + K).
+        distance between the unit vectors, ``2 - 2 cos``.
+
+    NaN propagates (kernel and reference alike): a NaN score ranks before every number, as in
+    ``torch.argmin``, and gives a NaN ``dist``. So a row of x holding a NaN gets code 0 and dist
+    NaN, and a codebook row holding a NaN is the code of every row of x (the lowest-numbered such
+    row), all with dist NaN. Infinite entries are outside this rule: their scores follow IEEE
+    arithmetic, in which the kernel's split products and the reference may differ.
+
+    Extra memory O(B + K) for 16- and 32-bit inputs; float64 (x or the codebook) runs the
+    brute-force reference, which builds the B x K distance matrix.
     """
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     K, D = codebook.shape

@@ -33,8 +33,8 @@ Semantics (``active`` = False: "laplace", as in vector-quantize-pytorch / EnCode
   code's N, S and codebook row, and with laplace (through sum N) every refreshed codebook row.
 
 Dead codes are numbered 0, 1, 2, ... in code order within each level; dead code number r takes
-global row ``restart_rows(key, r mod Bg, Bg)`` of the batch (Bg = world size x B in DDP): distinct
-rows while there are at most Bg dead codes.
+global row ``restart_rows(key, r mod Bg, Bg)`` of the batch (in DDP, Bg is the sum of every rank's B,
+the ranks' rows in rank order): distinct rows while there are at most Bg dead codes.
 """
 
 from __future__ import annotations
@@ -107,9 +107,11 @@ def key_words(device, generator=None):
 
 
 def expand_words(words, levels: int, device) -> torch.Tensor:
-    """[L, 4] round keys from four words: key[l, j] = words[j] xor (l * LEVEL_MUL), masked to 31 bits."""
-    lev = torch.arange(levels, dtype=torch.int64)[:, None] * LEVEL_MUL
-    return ((torch.tensor(words, dtype=torch.int64)[None, :] ^ lev) & HASH_MASK).to(device)
+    """[L, 4] round keys from four words: key[l, j] = words[j] xor (l * LEVEL_MUL), masked to 31 bits.
+    Computed on ``device`` with the words as scalar arguments: no host-to-device copy, which on CUDA
+    would block the host every training step."""
+    lev = torch.arange(0, levels * LEVEL_MUL, LEVEL_MUL, dtype=torch.int64, device=device) & HASH_MASK
+    return torch.stack([lev ^ (w & HASH_MASK) for w in words], dim=1)
 
 
 def draw_key(levels: int, device, generator=None) -> torch.Tensor:
@@ -206,23 +208,25 @@ def ema_accumulate(x, codes, num_codes: int):
 
 
 def ema_apply(x, codebook, cluster_size, embed_sum, counters, n, s, key, *, decay, active, eps, threshold, reset,
-              restart_after, world, rank):
+              restart_after, sizes=None, rank=0):
     """Blend, refresh and restart in place, given the (all-reduced) statistics.
 
-    With ``world > 1`` the restart rows come from the global batch of world * B rows; this rank
-    writes the rows it owns into the returned ``cand [L, K, D]`` (zeros elsewhere, to be summed over
-    ranks) and ``dead [L, K]``; :func:`ema_restart` then installs them. With ``world == 1`` the
-    restart happens here and ``cand`` is empty.
+    Under DDP, ``sizes`` holds every rank's number of rows B_r ([world] integers; they may differ)
+    and the restart rows come from the global batch of sum B_r rows, the rows of rank r starting at
+    B_0 + ... + B_{r-1}; this rank writes the rows it owns into the returned ``cand [L, K, D]``
+    (zeros elsewhere, to be summed over ranks) and ``dead [L, K]``; :func:`ema_restart` then
+    installs them. With ``sizes=None`` (one process) the restart happens here and ``cand`` is empty.
     """
     L, K, D = codebook.shape
     B = x.shape[1]
+    dist = sizes is not None
+    Bg, off = (int(sizes.sum()), int(sizes[:rank].sum())) if dist else (B, 0)
     dead = _blend_and_refresh(n.to(codebook.dtype), s.to(codebook.dtype), codebook, cluster_size, embed_sum, counters,
                               decay, active, eps, threshold, restart_after)
-    if B == 0:
+    if Bg == 0:
         dead = torch.zeros_like(dead)
     nr = dead.long().cumsum(1) - 1
-    Bg = world * B
-    rows = restart_rows(key[:, None, :], nr.clamp_min(0) % max(Bg, 1), max(Bg, 1)) - rank * B
+    rows = restart_rows(key[:, None, :], nr.clamp_min(0) % max(Bg, 1), max(Bg, 1)) - off
     own = dead & (rows >= 0) & (rows < B)
     v = x.to(codebook.dtype).gather(1, rows.clamp(0, max(B - 1, 0))[..., None].expand(L, K, D)) if B else \
         codebook.new_zeros(L, K, D)
@@ -231,7 +235,7 @@ def ema_apply(x, codebook, cluster_size, embed_sum, counters, n, s, key, *, deca
     cluster_size.copy_(torch.where(dead, torch.full_like(cluster_size, r), cluster_size))
     if counters is not None:
         counters.copy_(torch.where(dead, torch.zeros_like(counters), counters))
-    if world > 1:
+    if dist:
         return v.to(torch.float32), dead.to(torch.int8)
     codebook.copy_(torch.where(dead[..., None], v, codebook))
     embed_sum.copy_(torch.where(dead[..., None], v * r, embed_sum))
@@ -253,7 +257,9 @@ def nearest_code(x, codebook, cosine=False):
     """(codes [B] int64, dist [B] float32/float64) by brute force; ties go to the lowest index.
 
     Squared Euclidean distance, or with ``cosine`` the squared distance between the unit vectors,
-    2 - 2 cos(x, c). Arithmetic in float32 (float64 for float64 inputs).
+    2 - 2 cos(x, c). Arithmetic in float32 (float64 for float64 inputs). A NaN score ranks before
+    every number (``torch.argmin``'s order) and gives a NaN distance: a row of x holding a NaN gets
+    code 0, and a codebook row holding a NaN is the code of every row of x (the lowest such row).
     """
     dt = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
     xf, cf = x.to(dt), codebook.to(dt)
