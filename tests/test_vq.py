@@ -556,6 +556,19 @@ def test_nearest_code_matches_brute_force(B, K, D, cosine):
     assert_search(x, c, codes, dist, cosine)
 
 
+def test_nearest_code_int64_codebook_offsets(monkeypatch):
+    """The search's int64 codebook offsets (OFF64, used where K * stride passes 2^31: the GPU test
+    test_gpu_nearest_code_codebook_offsets_past_2_31) give the same result as the int32 ones."""
+    from sparsefuse.vq import kernels
+
+    x, _, c, *_ = make(37, 21, 12)
+    c = torch.cat([c, c], dim=1)[:, :12]  # rows 24 elements apart
+    want = nearest_code(x, c)
+    monkeypatch.setattr(kernels, "_OFF64_FROM", 0)
+    got = nearest_code(x, c)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("precision", ["exact", "ieee", "fast"])
 def test_nearest_code_ties_go_to_lowest_index(precision):
     g = torch.Generator().manual_seed(0)

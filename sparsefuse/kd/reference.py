@@ -193,14 +193,19 @@ def _row_scale(grad_loss, grad_tok, scale, n):
 
 def _scales(flags, reduction: int, num_items, num_items_value: float, dt, labels=None, ce_weight: float = 0.0):
     """(kd weight per token, ce weight per token) as a [2] tensor of dtype dt, like the reduce kernel."""
+    dev = flags.device  # the tests also run this reference on CUDA tensors
+
     def denom(count):
         if reduction == 1:
             return count.to(dt).clamp_min(1)
         if reduction == 2:
-            return num_items.to(dt).reshape(()) if num_items is not None else torch.tensor(num_items_value, dtype=dt)
-        return torch.ones((), dtype=dt)
+            if num_items is not None:
+                return num_items.to(dt).reshape(())
+            return torch.tensor(num_items_value, dtype=dt, device=dev)
+        return torch.ones((), dtype=dt, device=dev)
     kd = 1 / denom(flags.sum())
-    ce = (ce_weight / denom((labels != IGNORE_INDEX).sum())) if labels is not None else torch.zeros((), dtype=dt)
+    ce = (ce_weight / denom((labels != IGNORE_INDEX).sum())) if labels is not None else torch.zeros((), dtype=dt,
+                                                                                                  device=dev)
     return torch.stack([kd, ce.to(dt)])
 
 
@@ -243,7 +248,7 @@ def kd_logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items,
     dt = acc_dtype(z, t)
     valid, bad = _slots(ids, mask, z.shape[1])
     s = z.to(dt) / temperature
-    lse = torch.logsumexp(s, -1) if normalize else torch.zeros(z.shape[0], dtype=dt)
+    lse = torch.logsumexp(s, -1) if normalize else torch.zeros(z.shape[0], dtype=dt, device=z.device)
     loss, A, corr = _poison(bad, *slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize))
     tok = loss * temperature**2
     scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt)
@@ -312,7 +317,7 @@ def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, tempera
         gh = (g @ weight.to(dt)).masked_fill(bad.any(-1)[:, None], float("nan")).to(hidden.dtype)
     gw = (g.t() @ hidden.to(dt)).to(weight.dtype) if need_grad_weight else weight.new_empty(0)
     gb = g.sum(0).to(bias.dtype) if need_grad_bias else hidden.new_empty(0)
-    return total, tok, gh, gw, gb, torch.ones(2, dtype=dt)
+    return total, tok, gh, gw, gb, torch.ones(2, dtype=dt, device=hidden.device)
 
 
 def kd_hidden_bwd(grad_loss, grad_hidden, grad_weight, grad_bias, applied):

@@ -25,11 +25,12 @@ EMA update, two kernels (three under DDP), no B x K one-hot, no host sync:
 
 Nearest-code search: ``_nearest_code_kernel`` keeps a block of rows on chip and walks the codebook
 in tiles, computing ||c||^2 - 2 x.c with ``tl.dot`` and keeping a running (min, argmin) per row: the
-B x K matrix never exists. A NaN score ranks first (as in ``torch.argmin``) and gives a NaN distance.
+B x K matrix never exists. A NaN score ranks first (as in ``torch.argmin``) and gives a NaN distance;
+NaN scores are found from the norms of the rows and codes (a NaN entry makes its norm NaN).
 
 Offsets: x ([L, B, D] or [B, D]) and the codebook may pass 2^31 elements, so every program index (and
-every row or code index loaded from memory, and the search's codebook tile rows) is int64 before it
-multiplies a row length or stride. The GPU tests ``test_gpu_*_offsets_past_2_31`` check rows past 2^31
+every row or code index loaded from memory) is int64 before it multiplies a row length or stride; the
+search's codebook tile offsets are int64 where K * stride may pass 2^31 (``OFF64``), int32 otherwise. The GPU tests ``test_gpu_*_offsets_past_2_31`` check rows past 2^31
 elements.
 """
 
@@ -58,6 +59,7 @@ _SEG_BLOCK_D = 64 if INTERPRET else 256
 _APPLY_WARPS = 4
 _SCAN_BLOCK = 256 if INTERPRET else 1024
 _NORM_BLOCK = 64 if INTERPRET else 128
+_OFF64_FROM = 2**31  # the search's codebook offsets go int64 from K * stride = this (a test lowers it)
 _WORLD_BLOCK = 64  # ranks per step of the apply kernel's sum over every rank's rows
 
 
@@ -621,7 +623,9 @@ def _search_configs(tensor_core: bool):
     if INTERPRET:
         return [triton.Config(dict(BLOCK_B=16, BLOCK_K=16, BLOCK_D=16), num_warps=4)]
     if tensor_core:
-        shapes = [(128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 64, 8, 3)]
+        # (128, 128, 32, 4, 3): the best of 48 swept on an H200 for tf32 at D, K = 128, 1024 and 256, 4096
+        shapes = [(128, 128, 32, 4, 3), (128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3),
+                  (128, 128, 64, 8, 3)]
     else:
         shapes = [(64, 64, 16, 4, 2), (128, 64, 16, 8, 2), (64, 128, 16, 8, 2), (32, 64, 32, 4, 2)]
     return [triton.Config(dict(BLOCK_B=b, BLOCK_K=k, BLOCK_D=d), num_warps=w, num_stages=s) for b, k, d, w, s in shapes]
@@ -641,6 +645,7 @@ def _nearest_code_fwd_kernel(
     stride_ck,
     COSINE: tl.constexpr,
     PRECISION: tl.constexpr,  # "tf32x3" | "ieee" | "tf32" for fp32 inputs; None: native 16-bit dot
+    OFF64: tl.constexpr,  # K * stride_ck >= 2^31: codebook offsets in int64
     DOT_DTYPE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -656,10 +661,18 @@ def _nearest_code_fwd_kernel(
         b_x = tl.load(x_ptr + o_b[:, None] * stride_xb + o_d[None, :], mask=m_b[:, None] & (o_d < D)[None, :],
                       other=0).to(DOT_DTYPE).to(tl.float32)  # [BLOCK_B, BLOCK_D]
         b_xx += tl.sum(b_x * b_x, axis=1)
+    # NaN rule (reference.nearest_code: torch.argmin ranks a NaN score first). A NaN score comes from a
+    # NaN in the row (its norm is NaN) or in a code (its norm is NaN), so it is settled from the norms:
+    # a per-element test in the score tiles cost the bf16 / tf32 search 15-25% on an H200, and a
+    # reduction over the codes' norms before the tiles (a serial step per program) 6-13%.
+    b_nan = tl.full([BLOCK_K], K, dtype=tl.int32)  # per lane, the lowest code seen whose norm is NaN
     for i_k in range(0, K, BLOCK_K):
         o_k = i_k + tl.arange(0, BLOCK_K)
         m_k = o_k < K
-        p_c = c_ptr + o_k.to(tl.int64)[:, None] * stride_ck  # [BLOCK_K, 1]: K * stride_ck may pass 2^31
+        if OFF64:  # K * stride_ck may pass 2^31
+            p_c = c_ptr + o_k.to(tl.int64)[:, None] * stride_ck
+        else:
+            p_c = c_ptr + o_k[:, None] * stride_ck
         b_dot = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
         for i_d in range(0, D, BLOCK_D):
             o_d = i_d + tl.arange(0, BLOCK_D)
@@ -670,14 +683,12 @@ def _nearest_code_fwd_kernel(
                           other=0).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_D]
             b_dot = tl.dot(b_x, tl.trans(b_c), b_dot, input_precision=PRECISION)
         b_cc = tl.load(cc_ptr + o_k, mask=m_k, other=1.0)  # [BLOCK_K]
+        b_nan = tl.minimum(b_nan, tl.where(b_cc != b_cc, o_k, K))
         if COSINE:
             b_score = -b_dot / tl.sqrt(tl.maximum(b_cc, 1e-24))[None, :]
         else:
             b_score = b_cc[None, :] - 2.0 * b_dot
         b_score = tl.where(m_k[None, :], b_score, float("inf"))  # [BLOCK_B, BLOCK_K]
-        # a NaN score (a NaN in the row or the code) ranks first, as in torch.argmin: -inf here, then
-        # NaN distance (GPU min / max would skip a NaN)
-        b_score = tl.where(b_score != b_score, float("-inf"), b_score)
         b_tmin = tl.min(b_score, axis=1)
         b_targ = tl.argmin(b_score, axis=1).to(tl.int64) + i_k
         m_upd = b_tmin < b_best  # strict: an earlier tile keeps ties (lowest index)
@@ -688,12 +699,15 @@ def _nearest_code_fwd_kernel(
     else:
         b_dist = b_xx + b_best
         b_dist = tl.where(b_dist < 0.0, 0.0, b_dist)  # not tl.maximum: on a GPU it turns NaN into 0
-    b_dist = tl.where(b_best == float("-inf"), float("nan"), b_dist)
+    first_nan = tl.min(b_nan, axis=0)
+    m_xnan = b_xx != b_xx
+    b_arg = tl.where(m_xnan, 0, tl.where(first_nan < K, first_nan, b_arg))
+    b_dist = tl.where(m_xnan | (first_nan < K), float("nan"), b_dist)
     tl.store(codes_ptr + o_b, b_arg, mask=m_b)
     tl.store(dist_ptr + o_b, b_dist, mask=m_b)
 
 
-_KEY = ["K", "D", "COSINE", "PRECISION", "DOT_DTYPE"]
+_KEY = ["K", "D", "COSINE", "PRECISION", "OFF64", "DOT_DTYPE"]
 _nearest_code_tc = triton.autotune(configs=_search_configs(True), key=_KEY)(_nearest_code_fwd_kernel)
 _nearest_code_fma = triton.autotune(configs=_search_configs(False), key=_KEY)(_nearest_code_fwd_kernel)
 
@@ -720,10 +734,11 @@ def nearest_code(x, codebook, cosine, precision):
     else:
         prec = None  # 16-bit dots: products are exact in fp32 and sums are fp32
     kernel = _nearest_code_fma if prec == "ieee" else _nearest_code_tc
+    off64 = K * codebook.stride(0) >= _OFF64_FROM
     launch_tuned(kernel, lambda meta: (cdiv(B, meta["BLOCK_B"]),),
                  (x, codebook, cc, codes, dist, B, K, D, x.stride(0), codebook.stride(0)),
-                 dict(COSINE=bool(cosine), PRECISION=prec, DOT_DTYPE=_DOT_DTYPES[dot_dtype]),
-                 (kernel, K, D, bool(cosine), prec, x.dtype, codebook.dtype, x.device))
+                 dict(COSINE=bool(cosine), PRECISION=prec, OFF64=off64, DOT_DTYPE=_DOT_DTYPES[dot_dtype]),
+                 (kernel, K, D, bool(cosine), prec, off64, x.dtype, codebook.dtype, x.device))
     return codes, dist
 
 

@@ -119,6 +119,15 @@ def _restart_op(codebook: Tensor, embed_sum: Tensor, cand: Tensor, dead: Tensor,
     kernels.ema_restart(codebook, embed_sum, cand, dead, reset)
 
 
+@torch.compiler.disable
+def _draw_key_eagerly(levels, device, generator):
+    """Keys from an explicit generator, always drawn outside a graph. Without fullgraph, Dynamo
+    compiles what follows a graph break on its own: traced, ``key_words`` cannot read the
+    generator's Philox state and ``draw_key`` fell back to ``torch.randint``, so a compiled update
+    restarted from other rows than eager mode with the same generator state (seen on CUDA)."""
+    return reference.draw_key(levels, device, generator)
+
+
 def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, generator=None):
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
@@ -261,7 +270,7 @@ def vq_ema_update(
         key = torch.zeros((L, 4), device=dev, dtype=torch.int64)
         _key_op(key)
     else:
-        key = reference.draw_key(L, dev, generator)
+        key = _draw_key_eagerly(L, dev, generator)
     world, rank, sizes = 1, 0, None
     if process_group is not None:
         import torch.distributed as dist
