@@ -8,6 +8,8 @@ it runs inside the ops; on a GPU it would cost a host sync, so there it is off u
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from typing import Optional, Sequence
 
@@ -90,3 +92,14 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int) -> None:
     if bool(bad.any()):
         first = idx[bad].reshape(-1)[0].item()
         raise IndexError(f"{name} holds {first}, outside [0, {upper})")
+
+
+def check_number(name: str, x, *, positive: bool) -> float:
+    """A finite Python or NumPy number (not a bool), > 0 (``positive``) or >= 0, as a float. A tensor
+    is refused: reading its value (float(tensor)) would be a host sync."""
+    if isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a Python number, not a tensor (reading a tensor's value is a host sync)")
+    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    if not ok or not (x > 0 if positive else x >= 0):
+        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {x!r}")
+    return float(x)

@@ -401,7 +401,7 @@ def test_ema_update_bad_inputs():
         vq_ema_update(x, codes, state[0].T.contiguous().T, *state[1:])
     # eps = 0 with an empty batch made every codebook row NaN (0 / 0); a negative eps was taken as is
     for eps in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match=f"eps must be positive, got {eps}"):
+        with pytest.raises(ValueError, match=f"eps must be a positive finite number, got {eps}"):
             vq_ema_update(x[:0], codes[:0], *state, eps=eps)
 
 

@@ -6,7 +6,8 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from .ops import _check_number, topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
+from .._validate import check_number
+from .ops import topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
 
 
 class TopKKDLoss(nn.Module):
@@ -32,7 +33,7 @@ class TopKKDLoss(nn.Module):
                  ce_weight: float = 0.0, chunk_size: Optional[int] = None, return_per_token: bool = False):
         super().__init__()
         self.normalize, self.temperature, self.reduction = normalize, temperature, reduction
-        self.ce_weight = _check_number("ce_weight", ce_weight, positive=False)
+        self.ce_weight = check_number("ce_weight", ce_weight, positive=False)
         self.chunk_size, self.return_per_token = chunk_size, return_per_token
 
     def extra_repr(self) -> str:

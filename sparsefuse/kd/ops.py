@@ -44,7 +44,6 @@ and call their launchers directly (``sparsefuse/_registry.py``).
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional, Union
 
@@ -52,7 +51,8 @@ import torch
 from torch import Tensor
 
 from .._registry import register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor, index_checks_enabled
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor,
+                         index_checks_enabled)
 from . import kernels, reference
 from .reference import NORMALIZE
 
@@ -82,19 +82,8 @@ def _normalize_code(normalize):
     return NORMALIZE[normalize]
 
 
-def _check_number(name, x, *, positive):
-    """A finite Python or NumPy number (not a bool), > 0 (``positive``) or >= 0, as a float. A tensor
-    is refused: reading its value (float(tensor)) would be a host sync."""
-    if isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a Python number, not a tensor (reading a tensor's value is a host sync)")
-    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-    if not ok or not (x > 0 if positive else x >= 0):
-        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {x!r}")
-    return float(x)
-
-
 def _check_temperature(temperature):
-    return _check_number("temperature", temperature, positive=True)
+    return check_number("temperature", temperature, positive=True)
 
 
 def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
@@ -464,7 +453,7 @@ def topk_kd_loss_from_hidden(
     check_tensor("lm_head_bias", lm_head_bias, shape=(V,), dtypes=(lm_head_weight.dtype,), device=dev, optional=True)
     if V < 1:
         raise ValueError("lm_head_weight must have at least one row (V >= 1)")
-    ce_weight = _check_number("ce_weight", ce_weight, positive=False)
+    ce_weight = check_number("ce_weight", ce_weight, positive=False)
     if ce_weight and labels is None:
         raise ValueError("ce_weight is set but labels is None")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, bump_versions, plain_eager, register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
@@ -133,8 +133,7 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if not 0.0 <= float(decay) <= 1.0:
         raise ValueError(f"decay must lie in [0, 1], got {decay}")
-    if not float(eps) > 0.0:
-        raise ValueError(f"eps must be positive, got {eps}")
+    check_number("eps", eps, positive=True)
     if generator is not None:
         if torch.compiler.is_compiling():
             raise ValueError(_GENERATOR_COMPILE)
