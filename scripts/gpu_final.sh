@@ -4,7 +4,6 @@
 #                                     # holds flex-sae's two kernel files (carried, never committed)
 #   bash scripts/gpu_final.sh tests   # the SAE tests at every tier (CPU tests on CUDA too), then the
 #                                     # rest of the GPU tier
-#   bash scripts/gpu_final.sh kdvq    # KD, VQ and launcher tests at every tier, then `bench kd` and `bench vq`
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 case "${1:-}" in
   bench)
@@ -20,14 +19,5 @@ case "${1:-}" in
     tail -n 1 "$OUT/sae_tier_all.log"
     python3 -m pytest -q -m gpu tests -p no:cacheprovider $(printf -- "--ignore=%s " $sae) > "$OUT/gpu_tier_rest.log" 2>&1
     tail -n 1 "$OUT/gpu_tier_rest.log" ;;
-  kdvq)  # the KD and VQ test files at every tier, then both benches (carry .vqdeps for the VQ step baseline)
-    [ -d .vqdeps ] && export PYTHONPATH=$PWD:$PWD/.vqdeps
-    python3 -m pytest -q -m "gpu or not gpu" tests/test_kd.py tests/test_vq.py tests/test_vq_ddp.py tests/test_launch.py \
-      -p no:cacheprovider > "$OUT/kdvq_tier_all.log" 2>&1
-    tail -n 1 "$OUT/kdvq_tier_all.log"
-    for fam in kd vq; do
-      timeout 200 python3 -m sparsefuse bench $fam --out "$OUT" > "$OUT/${fam}_bench.log" 2>&1
-      grep -E '^\| (gathered|logits|hidden|ema|search|vq_step)' "$OUT/${fam}_bench.log"
-    done ;;
-  *) echo "usage: bash scripts/gpu_final.sh bench|tests|kdvq" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_final.sh bench|tests" >&2; exit 2 ;;
 esac
