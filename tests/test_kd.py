@@ -727,6 +727,29 @@ def test_weight_grad_configs_share_one_block_e():
     assert all("BLOCK_E" not in c.kwargs for c in kernels.WG_GPU_CONFIGS)
 
 
+def test_weight_grad_interleaved_tiles():
+    """The LM-head weight gradient's vocab tiles interleave the ids (tile t holds t, t + n_tiles, ...),
+    so the frequent small ids of a real teacher spread over many programs. Against index_add, with
+    V not a multiple of the tile, frequent ids, masked slots, and ids outside [0, V) that must add
+    nothing (index checks off)."""
+    from sparsefuse.kd import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    N, H, V, K = 29, 5, 37, 4
+    ids = torch.randint(0, V, (N, K), generator=gen)
+    ids[:, 0], ids[::2, 1] = 1, 0  # frequent ids
+    ids[3, 2], ids[4, 2], ids[5, 2] = V, -1, 60  # out of range (60 is past every tile)
+    mask = torch.rand(N, K, generator=gen) > 0.2
+    h = torch.randn(N, H, generator=gen, dtype=torch.float64)
+    g = torch.randn(N, K, generator=gen, dtype=torch.float64)
+    ids, mask, h, g = (t.to(DEVICE) for t in (ids, mask, h, g))
+    got = kernels.lm_weight_grad(ids, mask, g, h, V, torch.float64, alpha=2.0)
+    keep = (mask & (ids >= 0) & (ids < V)).reshape(-1)
+    rows = (g[..., None] * h[:, None, :]).reshape(-1, H)[keep]
+    want = torch.zeros(V, H, dtype=torch.float64, device=DEVICE).index_add_(0, ids.reshape(-1)[keep], rows) * 2
+    torch.testing.assert_close(got, want)
+
+
 def test_missing_targets_are_named():
     d = make(5, 3, 37, dtype=torch.float32)
     z, ids, t, m = d["z"], d["ids"], d["t"], d["m"]

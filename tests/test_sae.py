@@ -341,6 +341,50 @@ def test_weight_grad_feature_sums(weighted):
     torch.testing.assert_close(got_wsum, want_wsum)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("row_per_entry", [False, True])
+def test_weight_grad_long_segments(monkeypatch, weighted, row_per_entry):
+    """Dense latents: features 1 and 6 in every row fill whole chunks of sorted entries (chunks of 4
+    here), which the chunk kernel sums ahead and the per-feature walk adds as partial sums; the
+    features around them start and end mid-chunk. Checked against index_add, twice bit for bit."""
+    from sparsefuse import _segsum
+    from sparsefuse.sae import kernels
+
+    monkeypatch.setattr(_segsum, "MIN_CHUNK", 4)
+    B, K, F, D = 23, 3, 9, 7
+    idx, _, vals, _, target = make(B, K, F, D, torch.float64)
+    idx[:, 0], idx[:, 1] = 1, 6
+    rows = target.repeat_interleave(K, dim=0) if row_per_entry else target
+    assert kernels.chunk_size(B * K, rows.shape[0]) == (4 if row_per_entry else 8)
+    runs = []
+    for _ in range(2):
+        wsum = torch.empty(F, dtype=torch.float64, device=DEVICE)
+        runs.append((kernels.weight_grad(idx, rows, vals if weighted else None, F, torch.float64, wsum=wsum,
+                                         row_per_entry=row_per_entry), wsum))
+    w = vals if weighted else torch.ones_like(vals)
+    flat = idx.reshape(-1)
+    want = torch.zeros(F, D, dtype=torch.float64, device=DEVICE).index_add_(
+        0, flat, w.reshape(-1, 1) * target.repeat_interleave(K, dim=0))
+    want_wsum = torch.zeros(F, dtype=torch.float64, device=DEVICE).index_add_(0, flat, w.reshape(-1))
+    torch.testing.assert_close(runs[0][0], want)
+    torch.testing.assert_close(runs[0][1], want_wsum)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("op", ["decode", "topk", "hierarchical"])
+def test_dense_latents_match_fp64_reference(monkeypatch, op):
+    """Every op whose weight gradient is a segmented sum (deterministic mode for Hierarchical), with
+    one latent in every row: the long segment goes through the chunk partial sums."""
+    from sparsefuse import _segsum
+
+    monkeypatch.setattr(_segsum, "MIN_CHUNK", 4)
+    idx, weight, vals, bias, target = make(19, 4, 11, 30, torch.float32)
+    idx[:, 2] = 5
+    fn = lambda *a: OPS[op][0](*a) if op != "hierarchical" else sparsefuse.hierarchical_sae_loss(  # noqa: E731
+        *a, deterministic=True)
+    check_against_fp64(op, idx, weight, vals, bias, target, torch.float32, fn=fn)
+
+
 def test_reference_decode_returns_the_promoted_dtype():
     """The reference computes in promote_types(vals, weight), as the op returns (a bf16 vals must not
     round an fp32 decoder to bf16)."""

@@ -220,6 +220,19 @@ def test_deterministic_statistics_match(semantics):
     assert_state(got, want)
 
 
+@pytest.mark.parametrize("L", [None, 2])
+def test_deterministic_statistics_crowded_code(monkeypatch, L):
+    """A collapsing codebook: most rows on code 3. Its segment spans whole chunks of sorted rows
+    (chunks of 4 here), summed ahead by the chunk kernel; the update still matches the reference."""
+    from sparsefuse import _segsum
+
+    monkeypatch.setattr(_segsum, "MIN_CHUNK", 4)
+    x, codes, *state = make(29, 6, 5, L=L)
+    codes[..., 2:25] = 3
+    got, want = run_both(x, codes, state, semantics="active", deterministic=True)
+    assert_state(got, want)
+
+
 def test_batch_statistics():
     x, codes, *_ = make(31, 6, 5)
     n, s = batch_statistics(x, codes, 6)

@@ -409,7 +409,7 @@ def _kd_hidden_topk_kernel(
 @triton.jit
 def _kd_weight_grad_kernel(
     seg_ptr,  # [n_tiles + 1] int64: vocab tile i owns the sorted entries seg[i] .. seg[i + 1] - 1
-    key_ptr,  # [M] int64 sorted vocab ids of the entries
+    key_ptr,  # [M] int64 sorted tile keys of the entries: id v is slot v // n_tiles of tile v % n_tiles
     order_ptr,  # [M] int64 flat entry ids (n * K + k) in that order
     g_ptr,  # [N * K] ACC: dL/dz at each slot
     h_ptr,  # [N, H] hidden states
@@ -426,13 +426,18 @@ def _kd_weight_grad_kernel(
 ):
     """gw[v] = alpha * sum over slots e with id v of g[e] * h[token(e)], for a tile of BLOCK_V vocab rows.
 
-    The tile's slots are contiguous in sorted order. Each step takes BLOCK_E of them: a one-hot
+    Tile t holds the ids t, t + n_tiles, t + 2 n_tiles, ... (n_tiles = cdiv(V, BLOCK_V)): a teacher's
+    top-K ids are far from uniform, and in a BPE vocabulary the frequent tokens have small ids, so
+    tiles of consecutive ids put most slots in the first tile and serialise them in one program (2x
+    the whole step on a Zipf-distributed teacher, ``scripts/probe_skew.py``). Interleaved, the
+    frequent ids land in different tiles. The tile's slots are contiguous in sorted order. Each step takes BLOCK_E of them: a one-hot
     [BLOCK_V, BLOCK_E] matrix carrying g times the gathered [BLOCK_E, BLOCK_H] hidden rows, on the
     matrix unit. Every weight-gradient row is written once (zeros where no slot points), in a fixed
     order: no atomics, no zero-fill, deterministic.
     """
     i_v = tl.program_id(0).to(tl.int64)
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] tile keys
+    o_id = tl.arange(0, BLOCK_V).to(tl.int64) * tl.cdiv(V, BLOCK_V) + i_v  # [BLOCK_V] their vocab ids
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < H
     i_lo = tl.load(seg_ptr + i_v)
@@ -452,8 +457,8 @@ def _kd_weight_grad_kernel(
             b_acc = tl.dot((b_a - b_hi.to(ACC)).to(b_h.dtype), b_h, b_acc, out_dtype=ACC)
         else:
             b_acc = tl.dot(b_a.to(b_h.dtype), b_h, b_acc, input_precision="ieee", out_dtype=ACC)
-    p_out = gw_ptr + o_v[:, None] * H + o_h[None, :]
-    tl.store(p_out, (b_acc * alpha).to(gw_ptr.dtype.element_ty), mask=(o_v < V)[:, None] & m_h[None, :])
+    p_out = gw_ptr + o_id[:, None] * H + o_h[None, :]
+    tl.store(p_out, (b_acc * alpha).to(gw_ptr.dtype.element_ty), mask=(o_id < V)[:, None] & m_h[None, :])
 
 
 @triton.jit
@@ -646,15 +651,17 @@ def logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize
 
 def lm_weight_grad(ids, mask, g, hidden, V, out_dtype, alpha=1.0):
     """[V, H] weight gradient of the gathered logits z[n, k] = <h[n], W[ids[n, k]]>: alpha times the sum
-    over slots of g[n, k] * h[n] into row ids[n, k]. Masked slots sort past the last vocab tile and are
-    skipped."""
+    over slots of g[n, k] * h[n] into row ids[n, k]. Masked slots and ids outside [0, V) (index checks
+    off) sort past the last vocab tile and are skipped. Tiles interleave the ids (see the kernel)."""
     N, H = hidden.shape
     out = torch.empty(V, H, device=hidden.device, dtype=out_dtype)
     if H == 0:
         return out
     n_tiles = cdiv(V, _WG_BLOCK_V)
     past = n_tiles * _WG_BLOCK_V
-    keys = torch.where(mask != 0, ids.long(), torch.full_like(ids, past, dtype=torch.long)).reshape(-1)
+    ids = ids.long()
+    keys = torch.where((mask != 0) & (ids >= 0) & (ids < V), ids % n_tiles * _WG_BLOCK_V + ids // n_tiles,
+                       past).reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
     bounds = torch.arange(0, past + 1, _WG_BLOCK_V, device=keys.device, dtype=torch.long)
     seg = torch.searchsorted(sorted_keys, bounds)

@@ -36,6 +36,8 @@ import triton.language as tl
 
 from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
+from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
+
 from .._validate import check_index_range
 from .reference import acc_dtype
 
@@ -401,6 +403,8 @@ def _sae_weight_grad_kernel(
     order_ptr,  # [B * K] int64: flat entry ids b * K + k, sorted by feature
     vals_ptr,  # [B * K] per-entry weights (WEIGHTED)
     rows_ptr,  # [B, D], or [B * K, D] when ROW_PER_ENTRY
+    part_ptr,  # [NC, D] ACC: sums of the whole single-feature chunks of CHUNK sorted entries (_segsum)
+    wpart_ptr,  # [NC] ACC: their sums of vals (HAS_WSUM and WEIGHTED)
     scale_ptr,  # [] device scalar factor (HAS_SCALE)
     gw_ptr,  # [F, D] out, row stride stride_gw
     wsum_ptr,  # [F] out: sum over entries of feature f of vals[e] (HAS_WSUM; written by the first D tile)
@@ -413,30 +417,25 @@ def _sae_weight_grad_kernel(
     HAS_WSUM: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E: tl.constexpr,
 ):
     """gw[f, d] = scale * sum over entries e of feature f of vals[e] * rows[row(e), d].
 
     One program per (feature, D tile); every output element is written exactly once, in a fixed
     summation order. Entries go one at a time: wide [BLOCK_D] rows keep the loads 16 bytes per
     thread, and a 2-D [entries, BLOCK_D] tile was 8x slower on an H200 (64-bit pointers per element).
+    A feature with whole chunks of sorted entries (a dense latent) takes their sums from ``part``
+    instead of walking them (``sparsefuse/_segsum.py``).
     """
     i_f = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     i_start = tl.load(seg_ptr + i_f)
     i_end = tl.load(seg_ptr + i_f + 1)
-    b_acc = tl.zeros([BLOCK_D], dtype=ACC)
-    b_wsum = tl.zeros([1], dtype=ACC)
-    for i_e in range(i_start, i_end):
-        i_ent = tl.load(order_ptr + i_e)
-        i_row = i_ent if ROW_PER_ENTRY else i_ent // K
-        b_x = tl.load(rows_ptr + i_row * D + o_d, mask=m_d, other=0).to(ACC)  # [BLOCK_D]
-        if WEIGHTED:
-            b_v = tl.load(vals_ptr + i_ent).to(ACC)
-            b_x *= b_v
-            if HAS_WSUM:
-                b_wsum += b_v
-        b_acc += b_x
+    b_acc, b_wsum = segment_sum(i_start, i_end, order_ptr, vals_ptr, rows_ptr, part_ptr, wpart_ptr,
+                                1 if ROW_PER_ENTRY else K, o_d, m_d, D, CHUNK, WEIGHTED, HAS_WSUM and WEIGHTED, ACC,
+                                BLOCK_D, E)
     if not WEIGHTED:
         b_wsum += (i_end - i_start).to(ACC)  # weight 1 an entry: the count
     if HAS_SCALE:
@@ -576,8 +575,9 @@ def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Te
 
 
 def feature_segments(indices, num_features):
-    """(seg [F + 1], order [B * K]): entries sorted stably by feature; feature f owns the sorted
-    entries seg[f] .. seg[f + 1] - 1 (out-of-range ids, index checks off, fall in no segment)."""
+    """(seg [F + 1], order [B * K], sorted keys [B * K]): entries sorted stably by feature; feature f
+    owns the sorted entries seg[f] .. seg[f + 1] - 1 (out-of-range ids, index checks off, fall in no
+    segment)."""
     keys = indices.reshape(-1)
     if keys.dtype == torch.int64 and num_features < 2**31 - 1:
         # a radix sort over 4-byte keys takes half the time; the clamp keeps an out-of-range index
@@ -586,7 +586,8 @@ def feature_segments(indices, num_features):
         # instead: one host op fewer a step, but 9% more time in that kernel at K = 64.)
         keys = keys.clamp(-1, num_features).to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
-    return torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype)), order
+    seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
+    return seg, order, sorted_keys
 
 
 def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None,
@@ -607,13 +608,18 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
         out = torch.empty(num_features, D, device=rows.device, dtype=out_dtype)
     if num_features == 0 or (D == 0 and wsum is None):
         return out
-    seg, order = feature_segments(indices, num_features) if segments is None else segments
+    seg, order, sorted_keys = feature_segments(indices, num_features) if segments is None else segments
+    rows = rows.contiguous()
+    weights = None if entry_weights is None else entry_weights.contiguous()
+    acc = acc_dtype(rows, entry_weights)
+    chunk = chunk_size(B * K, rows.shape[0])
+    part, wpart = chunk_partials(sorted_keys, order, weights, rows, 1 if row_per_entry else K, chunk, acc,
+                                 _SEG_BLOCK_D, wsum is not None and weights is not None)
     grid = (num_features, max(cdiv(D, _SEG_BLOCK_D), 1))
     _launch(_sae_weight_grad_kernel, grid,
-        seg, order, None if entry_weights is None else entry_weights.contiguous(), rows.contiguous(), scale, out,
-        wsum, K, D, out.stride(0),
-        WEIGHTED=entry_weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
-        HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc_dtype(rows, entry_weights)), BLOCK_D=_SEG_BLOCK_D,
+        seg, order, weights, rows, part, wpart, scale, out, wsum, K, D, out.stride(0),
+        WEIGHTED=weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
+        HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc), BLOCK_D=_SEG_BLOCK_D, CHUNK=chunk, E=GATHER_STEP,
         num_warps=_SEG_WARPS,
     )
     return out

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .._registry import INTERPRET
+from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
 from .._validate import check_index_range
 from . import reference
 from .._launch import _current_stream, cdiv, launch, launch_tuned, next_pow2
@@ -147,16 +148,21 @@ def _vq_ema_segment_kernel(
     x_ptr,  # [L, B, D] contiguous, storage dtype
     order_ptr,  # [L, B] int64: row ids of each level sorted by code
     seg_ptr,  # [L, K + 1] int64: code k owns sorted positions seg[k] .. seg[k + 1] - 1
+    part_ptr,  # [L, NC, D] fp32: sums of the whole single-code chunks of CHUNK sorted rows (_segsum)
     stats_ptr,  # flat fp32 out (stats_layout): sums, counts, scratch
     cs_ptr,  # [L, K] fp32 cluster_size (read only)
     cnt_ptr,  # [L, K] int counters (HAS_COUNTERS)
     B,
     K,
     D,
+    NC,
     HAS_COUNTERS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E: tl.constexpr,
 ):
-    """Deterministic statistics: one program per (code, level), rows summed in sorted order.
+    """Deterministic statistics: one program per (code, level), rows summed in sorted order (whole
+    chunks of a crowded code from their partial sums, see ``sparsefuse/_segsum.py``).
 
     Codes outside [0, K) (index checks off) sort before seg[0] or from seg[K] on; as in the atomic
     kernel they poison the nearest valid code (0 or K - 1): its count and sums are NaN."""
@@ -169,10 +175,9 @@ def _vq_ema_segment_kernel(
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i_e in range(i_start, i_end):
-            i_row = tl.load(order_ptr + i_l * B + i_e)
-            b_acc += tl.load(x_ptr + (i_l * B + i_row) * D + o_d, mask=m_d, other=0).to(tl.float32)  # [BLOCK_D]
+        b_acc = segment_sum(i_start, i_end, order_ptr + i_l * B, None, x_ptr + i_l * B * D,
+                            part_ptr + i_l * NC * D, None, 1, o_d, m_d, D, CHUNK, False, False, tl.float32,
+                            BLOCK_D, E)[0]
         tl.store(s_ptr + (i_l * K + i_k) * D + o_d, tl.where(m_bad, float("nan"), b_acc), mask=m_d)
     tl.store(n_ptr + i_l * K + i_k, tl.where(m_bad, float("nan"), (i_end - i_start).to(tl.float32)))
     o_k = i_k + tl.arange(0, 1)
@@ -539,8 +544,11 @@ def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=
         if codes.dim() == 2:
             bounds = bounds.expand(L, K + 1).contiguous()
         seg = torch.searchsorted(sorted_codes, bounds)
-        launch(_vq_ema_segment_kernel, (K, L), (x, order, seg, stats, cluster_size, counters, B, K, D),
-               dict(HAS_COUNTERS=counters is not None, BLOCK_D=_block_d(D, _SEG_BLOCK_D)), 2)
+        block_d, chunk = _block_d(D, _SEG_BLOCK_D), chunk_size(B, B)
+        part, _ = chunk_partials(sorted_codes, order, None, x, 1, chunk, torch.float32, block_d, False)
+        launch(_vq_ema_segment_kernel, (K, L),
+               (x, order, seg, part, stats, cluster_size, counters, B, K, D, part.shape[1]),
+               dict(HAS_COUNTERS=counters is not None, BLOCK_D=block_d, CHUNK=chunk, E=GATHER_STEP), 2)
         return stats
     if workspace is None:
         stats, parity = torch.zeros(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32), 0
