@@ -1002,7 +1002,8 @@ def _check_hidden_long(N, K, V, H, dtype, device):
     want = grads(2.5 * ref.topk_kd_loss_from_hidden(p64[0], p64[1], ids[rows], t[rows].double(), m[rows],
                                                     normalize="topk", temperature=1.3, reduction="sum")[0], p64)
     compare([loss, gh[rows], gw], want, dtype, ["loss", "grad_hidden", "grad_weight"], scale=2)
-    assert torch.count_nonzero(gh.index_fill_(0, rows, 0)) == 0, "grad_hidden rows of fully masked tokens"
+    # any() reduces to one flag; count_nonzero's int64 pass over 4.3e9 elements needed 32 GiB (OOM on an H100)
+    assert not gh.index_fill_(0, rows, 0).any(), "grad_hidden rows of fully masked tokens"
 
 
 @pytest.mark.gpu
@@ -1025,8 +1026,7 @@ def test_gpu_from_hidden_head_past_2_32():
 @pytest.mark.gpu
 def test_gpu_from_hidden_tokens_past_2_32():
     """hidden [524300, 8192] bf16: 4.30e9 elements, tokens from 262144 start at or past 2^31 and from
-    524288 past 2^32. About 21.5 GB (hidden and grad_hidden, 8.6 GB each, and a 4.3 GB mask in the
-    zero check)."""
+    524288 past 2^32. About 17 GB (hidden and grad_hidden, 8.6 GB each)."""
     need_gpu_memory(24)
     _check_hidden_long(524300, 8, 4096, 8192, torch.bfloat16, "cuda")
 
