@@ -6,6 +6,10 @@ launch must pick the kernel Triton would have picked (dtype, 16-byte alignment, 
 specialisation) and must still call a profiler's launch hooks when some are installed.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import triton
@@ -349,3 +353,16 @@ def test_launch_tuned_keeps_each_key_its_own_pick_when_threads_tune_at_once(fast
     for t in threads:
         t.join()
     assert {key[1]: cfg.kwargs["BLOCK"] for key, cfg in _launch._TUNED.items()} == {16: 16, 32: 32}
+
+
+def test_segmented_sum_kernels_compile_for_sm90():
+    """The interpreter (the CPU tier) never type-checks a kernel; scripts/compile_sm90.py compiles
+    every variant of the segmented-sum kernels for an H100/H200 target on this machine (no GPU
+    needed). Its first two catches were a helper returning fp32 in one constexpr branch and fp64 in
+    the other, and a loop-carried variable that changed type: both passed every CPU test."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "compile_sm90.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "compiled 44 kernel variants for sm_90" in out.stdout
+
