@@ -16,22 +16,33 @@ def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: s
             deterministic: Optional[bool] = None):
     """Lloyd's k-means on the device: (centroids [K, D] fp32, counts [K] of the last assignment).
 
-    Starts from random rows of x (of rank 0 under DDP, broadcast), distinct while B >= K (with
-    B < K, code k starts from the same row as code k - B); each iteration assigns with
+    Starts from random rows of x (of rank 0 under DDP, broadcast; other ranks may hold no rows, and
+    a rank 0 without rows makes every rank raise), distinct while B >= K (with B < K, code k starts
+    from the same row as code k - B); each iteration assigns with
     :func:`nearest_code` and re-centres with :func:`batch_statistics` (all-reduced over
     ``process_group``; summed in a fixed order with ``deterministic``); an empty cluster keeps its
     centroid.
     """
-    B = x.shape[0]
-    if B == 0:
+    B, D = x.shape
+    if B == 0 and process_group is None:
         raise ValueError(f"x must have at least one row to initialise the codebook with k-means, got shape "
                          f"{tuple(x.shape)}")
-    perm = torch.randperm(B, device=x.device, generator=generator)
-    c = x[perm[torch.arange(num_codes, device=x.device) % max(B, 1)]].float()
+    seed = torch.empty(num_codes * D + 1, device=x.device, dtype=torch.float32)  # starting centroids, then B
+    c = seed[:-1].view(num_codes, D)
+    if B:
+        perm = torch.randperm(B, device=x.device, generator=generator)
+        c.copy_(x[perm[torch.arange(num_codes, device=x.device) % B]])
+    seed[-1] = B
     if process_group is not None:
         import torch.distributed as dist
 
-        dist.broadcast(c, src=dist.get_global_rank(process_group, 0), group=process_group)
+        # rank 0's rows seed every rank, and its B travels with them: a rank 0 without rows makes every
+        # rank raise here (one host read, at initialisation) rather than one rank raising while the
+        # others wait in the next collective. Other ranks may hold no rows.
+        dist.broadcast(seed, src=dist.get_global_rank(process_group, 0), group=process_group)
+        if seed[-1].item() == 0:
+            raise ValueError("rank 0 of process_group has no rows to initialise the codebook with k-means "
+                             "(its rows seed every rank); every rank raises")
     n = torch.zeros(num_codes, device=x.device)
     for _ in range(iters):
         codes, _ = nearest_code(x, c, cosine=cosine, precision=precision)
