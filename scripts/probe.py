@@ -68,10 +68,12 @@ host = {
 }
 resid = torch.empty(64, 256, device="cuda"); sk, order = torch.sort(ik, stable=True)
 seg = torch.searchsorted(sk, ar); gwt = torch.empty(1024, 256, device="cuda"); vv = torch.rand(64, 32, device="cuda")
-args = (seg, order, vv, resid, s, gwt, None, 32, 256, 256)
-meta = dict(WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=True, HAS_WSUM=False, ACC=tl.float32, BLOCK_D=512)
-host["sparsefuse launch (10 args)"] = lambda: launch(kn._sae_weight_grad_kernel, (1024, 1), args, meta, 2)
-host["triton kernel[grid] (10 args)"] = lambda: kn._sae_weight_grad_kernel[(1024, 1)](*args, **meta, num_warps=2)
+# no chunk partial sums (a chunk longer than any segment): the per-feature walk alone, as before session 15
+args = (seg, order, vv, resid, resid[:1], None, s, gwt, None, 32, 256, 256)
+meta = dict(WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=True, HAS_WSUM=False, ACC=tl.float32, BLOCK_D=512,
+            CHUNK=1 << 40, E=4)
+host["sparsefuse launch (12 args)"] = lambda: launch(kn._sae_weight_grad_kernel, (1024, 1), args, meta, 2)
+host["triton kernel[grid] (12 args)"] = lambda: kn._sae_weight_grad_kernel[(1024, 1)](*args, **meta, num_warps=2)
 for name, fn in host.items():
     out[f"host {name}"] = host_us(fn, 2000)
     print(f"host {name:32} {out[f'host {name}']:.1f} us")

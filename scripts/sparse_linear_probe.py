@@ -23,10 +23,11 @@ def seg(block_d, warps):
     wsum = torch.empty(N, device="cuda", dtype=torch.float32)
     sk, order = torch.sort(keys, stable=True)
     s = torch.searchsorted(sk, kernels._feature_range(N + 1, keys.device, keys.dtype))
+    part, wpart = x[:1].float(), wsum[:1]  # never read: CHUNK is longer than any segment (no partial sums)
     return lambda: kernels._launch(
-        kernels._sae_weight_grad_kernel, (N, -(-D // block_d)), s, order, g, x, None, out, wsum, K, D, 1.0,
-        WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=False, HAS_WSUM=True, ACC=kernels.tl.float32,
-        BLOCK_D=block_d, num_warps=warps)
+        kernels._sae_weight_grad_kernel, (N, -(-D // block_d)), s, order, g, x, part, wpart, None, out, wsum, K, D,
+        D, WEIGHTED=True, ROW_PER_ENTRY=False, HAS_SCALE=False, HAS_WSUM=True, ACC=kernels.tl.float32,
+        BLOCK_D=block_d, CHUNK=1 << 40, E=4, num_warps=warps)
 
 
 parts = {

@@ -13,14 +13,17 @@ entries (a power of two fixed by the caller from the shapes, never by the data):
 
 * ``_segment_chunks_kernel`` (grid: chunks x D tiles x levels) sums each chunk whose entries all
   share one key into ``part[chunk]`` (other chunks exit after two loads). It gathers E rows per
-  step (a [E, BLOCK_D] tile of about 4096 elements), so those loads overlap.
+  step (a [E, BLOCK_D] tile of at most 4096 elements, E from 4 to 32), so those loads overlap. (The
+  per-key walk keeps one [BLOCK_D] row a step: most segments are a few entries long, and a 2-D
+  tile there made every program pay for it; here only crowded chunks do work.)
 * ``segment_sum`` (a device function the per-key kernels call) walks the entries of its segment
   before the first whole chunk, adds the partial sums of the whole chunks, then the entries after
   the last one. A segment shorter than a chunk takes the plain walk, as before.
 
-Every key's sum is taken in an order fixed by the sorted keys alone, so results are bit-identical
-run to run. Partial sums cost ``cdiv(M, CHUNK) x D`` floats for M entries (:func:`chunk_size`
-keeps that at most half of the rows buffer).
+Every key's sum is taken in an order fixed by the sorted keys and the shapes (CHUNK, and E from the
+tile width), so results are bit-identical run to run. Partial sums cost ``cdiv(M, CHUNK) x D``
+accumulator floats for M entries (:func:`chunk_size` keeps that count at most half the rows
+buffer's element count).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, next_pow2
 
-#: Smallest chunk (entries). Tests lower it to reach the split paths with tiny inputs.
+#: Smallest chunk (entries), a power of two. Tests lower it to reach the split paths with tiny inputs.
 MIN_CHUNK = 64
 GATHER_STEP = 4  # partial sums loaded per step of segment_sum
 _TILE = 4096  # elements of the chunk kernel's [E, BLOCK_D] gather tile (E from 4 to 32 rows)
@@ -39,8 +42,9 @@ _WARPS = 2
 
 
 def chunk_size(entries: int, rows: int) -> int:
-    """Chunk length for ``entries`` sorted entries gathering from ``rows`` rows: at least twice the
-    entries per row (so the partial sums take at most half the rows' bytes) and at least MIN_CHUNK."""
+    """Chunk length (a power of two) for ``entries`` sorted entries gathering from ``rows`` rows: at
+    least twice the entries per row (so there are at most half as many partial sums as rows) and at
+    least MIN_CHUNK."""
     return max(MIN_CHUNK, next_pow2(max(2 * cdiv(entries, max(rows, 1)), 1)))
 
 
@@ -61,8 +65,10 @@ def segment_sum(i_start, i_end, order_ptr, w_ptr, rows_ptr, part_ptr, wpart_ptr,
                 CHUNK, WEIGHTED: tl.constexpr, HAS_WSUM: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr,
                 E: tl.constexpr):
     """Sum over sorted entries i_start .. i_end - 1 of w[ent] * rows[ent // row_div, o_d] (w = 1
-    unless WEIGHTED), and of w (HAS_WSUM, WEIGHTED). Whole chunks come from ``part`` / ``wpart``,
-    written by ``_segment_chunks_kernel``. Pointers are already offset to the level."""
+    unless WEIGHTED), and of w when HAS_WSUM (which requires WEIGHTED: unweighted, the sum of w is the
+    count i_end - i_start). Whole chunks come from ``part`` / ``wpart``, written by
+    ``_segment_chunks_kernel``. Pointers are already offset to the level."""
+    tl.static_assert(WEIGHTED or not HAS_WSUM, "HAS_WSUM needs WEIGHTED (an unweighted sum of w is the count)")
     c_lo = (i_start + CHUNK - 1) // CHUNK
     c_hi = i_end // CHUNK
     full = c_hi > c_lo  # the segment holds at least one whole chunk
@@ -111,6 +117,7 @@ def _segment_chunks_kernel(
     BLOCK_D: tl.constexpr,
     E: tl.constexpr,
 ):
+    tl.static_assert(WEIGHTED or not HAS_WSUM, "HAS_WSUM needs WEIGHTED")
     i_c = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(2).to(tl.int64)
     i_lo = i_c * CHUNK

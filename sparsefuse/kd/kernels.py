@@ -655,7 +655,7 @@ def lm_weight_grad(ids, mask, g, hidden, V, out_dtype, alpha=1.0):
     off) sort past the last vocab tile and are skipped. Tiles interleave the ids (see the kernel)."""
     N, H = hidden.shape
     out = torch.empty(V, H, device=hidden.device, dtype=out_dtype)
-    if H == 0:
+    if H == 0 or V == 0:  # (V = 0 is refused by the public functions; the tile interleave divides by it)
         return out
     n_tiles = cdiv(V, _WG_BLOCK_V)
     past = n_tiles * _WG_BLOCK_V

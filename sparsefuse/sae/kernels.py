@@ -424,9 +424,10 @@ def _sae_weight_grad_kernel(
 
     One program per (feature, D tile); every output element is written exactly once, in a fixed
     summation order. Entries go one at a time: wide [BLOCK_D] rows keep the loads 16 bytes per
-    thread, and a 2-D [entries, BLOCK_D] tile was 8x slower on an H200 (64-bit pointers per element).
-    A feature with whole chunks of sorted entries (a dense latent) takes their sums from ``part``
-    instead of walking them (``sparsefuse/_segsum.py``).
+    thread, and a 2-D [entries, BLOCK_D] tile was 8x slower on an H200 (64-bit pointers per element,
+    in every program; most features have a few entries). A feature with whole chunks of sorted entries
+    (a dense latent) takes their sums from ``part`` instead of walking them: the chunk kernel that
+    writes them does use 2-D tiles, but only its crowded chunks do any work (``sparsefuse/_segsum.py``).
     """
     i_f = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

@@ -161,8 +161,8 @@ def _vq_ema_segment_kernel(
     CHUNK: tl.constexpr,
     E: tl.constexpr,
 ):
-    """Deterministic statistics: one program per (code, level), rows summed in sorted order (whole
-    chunks of a crowded code from their partial sums, see ``sparsefuse/_segsum.py``).
+    """Deterministic statistics: one program per (code, level), rows summed in a fixed order (sorted
+    order, with whole chunks of a crowded code taken from their partial sums, see ``sparsefuse/_segsum.py``).
 
     Codes outside [0, K) (index checks off) sort before seg[0] or from seg[K] on; as in the atomic
     kernel they poison the nearest valid code (0 or K - 1): its count and sums are NaN."""
