@@ -430,7 +430,9 @@ def _kd_weight_grad_kernel(
     top-K ids are far from uniform, and in a BPE vocabulary the frequent tokens have small ids, so
     tiles of consecutive ids put most slots in the first tile and serialise them in one program (2x
     the whole step on a Zipf-distributed teacher, ``scripts/probe_skew.py``). Interleaved, the
-    frequent ids land in different tiles. The tile's slots are contiguous in sorted order. Each step takes BLOCK_E of them: a one-hot
+    frequent ids land in different tiles.
+
+    The tile's slots are contiguous in sorted order. Each step takes BLOCK_E of them: a one-hot
     [BLOCK_V, BLOCK_E] matrix carrying g times the gathered [BLOCK_E, BLOCK_H] hidden rows, on the
     matrix unit. Every weight-gradient row is written once (zeros where no slot points), in a fixed
     order: no atomics, no zero-fill, deterministic.

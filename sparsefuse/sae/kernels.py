@@ -37,7 +37,6 @@ import triton.language as tl
 from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
-
 from .._validate import check_index_range
 from .reference import acc_dtype
 
