@@ -1,5 +1,8 @@
 """The benchmark harness: round-robin rounds (``Case.rounds``, timing stubbed out) and the host profile."""
 
+import time
+
+import pytest
 import torch
 
 from sparsefuse.bench import harness
@@ -230,3 +233,47 @@ def test_vq_step_baseline_gradient_matches_ours():
         out, _, loss = mod(inp)
         grads.append(torch.autograd.grad(loss.sum() + out.float().square().mean(), x)[0])
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_speedup_table_device_columns():
+    """Device times get their own columns and ratios; a result without one (saved before it was
+    measured, or the host never got ahead) shows a dash rather than a ratio against nothing."""
+    from sparsefuse.bench import harness
+
+    ours = _result("sparsefuse", 1.0, "full")
+    ours.device_ms = 0.5
+    comp = _result("torch.compile", 3.0, "full")
+    comp.device_ms = 2.9
+    text = harness.speedup_table([ours, comp], baselines=("torch.compile",), device_baselines=("torch.compile",))
+    head, _, row = text.splitlines()[:3]
+    assert "sparsefuse device ms" in head and "vs torch.compile, device" in head
+    assert "| **3.00×** | 0.500 | 5.80× |" in row
+    comp.device_ms = None
+    row = harness.speedup_table([ours, comp], baselines=("torch.compile",),
+                                device_baselines=("torch.compile",)).splitlines()[2]
+    assert "| **3.00×** | 0.500 | — |" in row
+    assert "device" not in harness.speedup_table([ours, comp], baselines=("torch.compile",))
+
+
+@pytest.mark.gpu
+def test_device_time_reads_the_gpu_not_the_host():
+    """A call that is mostly host time (2 ms of it, then one tiny launch) reads far less device time
+    than do_bench time; a call that is GPU work (a large matmul) reads about the same in both."""
+    from triton.testing import do_bench
+
+    from sparsefuse.bench import harness
+
+    x = torch.ones(64, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def host_bound():
+        time.sleep(0.002)
+        x.add_(1)
+
+    wall = do_bench(host_bound, warmup=20, rep=100)
+    dev = harness.device_time(host_bound, wall)
+    assert dev is not None and dev < 0.2 * wall, (dev, wall)
+    gpu_bound = lambda: a @ a  # noqa: E731
+    wall = do_bench(gpu_bound, warmup=20, rep=100)
+    dev = harness.device_time(gpu_bound, wall)
+    assert dev is not None and 0.8 * wall < dev < 1.2 * wall, (dev, wall)

@@ -3,7 +3,9 @@
 A family module (``sparsefuse/bench/sae.py`` and friends) builds ``Case`` objects (one op, one
 provider, one shape, one dtype) and hands them to :func:`run_cases`. Each case is timed with
 ``triton.testing.do_bench`` (median and 20/80 % quantiles, after warm-up) on random data, and its
-peak extra memory is read from the CUDA caching allocator. Results are merged into
+peak extra memory is read from the CUDA caching allocator. Each case also gets a device time
+(:func:`device_time`): the same step with the host far ahead of the GPU, so it reads the GPU's
+time alone where do_bench, at small shapes, reads how fast the host enqueues. Results are merged into
 ``<out>/<family>.json`` keyed by (op, provider, shape, dtype, mode, GPU, version); :func:`render`
 turns the JSON into the README table and a PNG plot.
 """
@@ -56,6 +58,9 @@ class Result:
     peak_extra_mib: float
     gbps: Optional[float] = None
     tflops: Optional[float] = None
+    #: median GPU time of one call with the host far ahead (:func:`device_time`); None where the
+    #: host could not get ahead, or for results saved before it was measured
+    device_ms: Optional[float] = None
     gpu: str = ""
     version: str = __version__
     torch: str = torch.__version__
@@ -97,17 +102,64 @@ def measure(case: Case, *, warmup_ms: int = 50, rep_ms: int = 300) -> Result:
     floor = _result_bytes(out)
     del out
     q20, med, q80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+    dev = device_time(fn, med)
     del fn
     res = Result(
         op=case.op, provider=case.provider, shape=case.shape, dtype=case.dtype, mode=case.mode,
         ms=med, ms_q20=q20, ms_q80=q80, peak_extra_mib=peak / 2**20,
         gbps=None if case.bytes_moved is None else case.bytes_moved / med / 1e6,
         tflops=None if case.flops is None else case.flops / med / 1e9,
-        gpu=gpu_name(),
+        device_ms=dev, gpu=gpu_name(),
     )
     if peak < floor:
         res.extra["peak_below_results_mib"] = floor / 2**20
     return res
+
+
+def device_time(fn, wall_ms: float) -> Optional[float]:
+    """Median GPU time of one call of ``fn`` while the host is far ahead, in ms.
+
+    do_bench enqueues one call and then waits on the GPU; when enqueuing a call takes the host longer
+    than the GPU takes to run it (a small eager step: hundreds of microseconds of Python, autograd
+    and launches), its median is the host's time. Here a GPU sleep holds the device while the host
+    enqueues the calls, each as do_bench runs it (L2 flushed, then events around the call), so each
+    call starts as soon as the previous one ends and its events bracket GPU work only. The sleep
+    is sized from ``wall_ms`` (do_bench's median, which is at least the host's time per call) and
+    checked: if the host had not finished enqueuing when the GPU woke, the sleep is doubled and the
+    measurement repeated, and after three tries the result is None.
+    """
+    import triton
+
+    drv = triton.runtime.driver.active
+    cache = drv.get_empty_cache_for_benchmark()
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    n = max(5, min(20, int(100 / max(wall_ms, 1e-3))))
+    t0, t1 = ev(), ev()
+    torch.cuda.synchronize()
+    t0.record()
+    torch.cuda._sleep(10**7)
+    t1.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 10**7 / max(t0.elapsed_time(t1), 1e-3)
+    sleep_ms = 1.5 * n * wall_ms + 5
+    for _ in range(3):
+        starts, ends = [ev() for _ in range(n)], [ev() for _ in range(n)]
+        t0.record()
+        torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        t1.record()
+        h0 = time.perf_counter()
+        for s, e in zip(starts, ends):
+            drv.clear_cache(cache)
+            s.record()
+            fn()
+            e.record()
+        host_ms = (time.perf_counter() - h0) * 1e3
+        torch.cuda.synchronize()
+        if host_ms < t0.elapsed_time(t1):  # the host was done before the GPU woke
+            times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+            return times[(n - 1) // 2]
+        sleep_ms *= 2
+    return None
 
 
 def _result_bytes(out) -> int:
@@ -188,6 +240,7 @@ def run_cases(cases, *, log=print) -> list:
             tag = f"  (round {r + 1}/{case.rounds})" if case.rounds > 1 else ""
             log(f"  {res.op:<14} {res.provider:<14} {res.dtype:<9} {_shape_str(res.shape):<28} {res.mode:<5} "
                 f"{res.ms:8.3f} ms  {res.peak_extra_mib:9.1f} MiB" + (f"  {res.gbps:7.0f} GB/s" if res.gbps else "")
+                + (f"  device {res.device_ms:.3f} ms" if res.device_ms else "  device -")
                 + tag + ("  (peak below the results' size: misread)" if "peak_below_results_mib" in res.extra else ""))
     results = []
     for got in rounds:
@@ -230,8 +283,10 @@ def _shape_order(shape_json: str) -> tuple:
 
 
 def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch", "torch.compile"),
-                  mode: str = "full", shape_keys: Optional[list] = None) -> str:
-    """Markdown: one row per (op, dtype, shape); ms for each provider and our speed-up over each baseline."""
+                  mode: str = "full", shape_keys: Optional[list] = None, device_baselines=()) -> str:
+    """Markdown: one row per (op, dtype, shape); ms for each provider and our speed-up over each baseline.
+    ``device_baselines`` adds our device time (:func:`device_time`) and the speed-up in device time
+    over each of those baselines."""
     rows = {}
     for r in results:
         if r.mode != mode:
@@ -240,7 +295,10 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         rows.setdefault(key, {})[r.provider] = r
     keys = shape_keys
     head = ["op", "dtype", "shape", f"{ours} ms"] + [f"{b} ms" for b in baselines]
-    head += [f"vs {b}" for b in baselines] + [f"{ours} peak MiB", f"{ours} GB/s"]
+    head += [f"vs {b}" for b in baselines]
+    if device_baselines:
+        head += [f"{ours} device ms"] + [f"vs {b}, device" for b in device_baselines]
+    head += [f"{ours} peak MiB", f"{ours} GB/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (op, dtype, shape_json), by in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], _shape_order(kv[0][2]))):
         shape = json.loads(shape_json)
@@ -251,6 +309,10 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         cells = [op, dtype, shape_txt, f"{us.ms:.3f}"]
         cells += [f"{by[b].ms:.3f}" if b in by else "—" for b in baselines]
         cells += [f"**{by[b].ms / us.ms:.2f}×**" if b in by else "—" for b in baselines]
+        if device_baselines:
+            cells.append(f"{us.device_ms:.3f}" if us.device_ms else "—")
+            cells += [f"{by[b].device_ms / us.device_ms:.2f}×" if b in by and by[b].device_ms and us.device_ms
+                      else "—" for b in device_baselines]
         misread = " (misread)" if "peak_below_results_mib" in us.extra else ""
         cells += [f"{us.peak_extra_mib:.0f}{misread}", f"{us.gbps:.0f}" if us.gbps else "—"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -259,6 +321,9 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
     what = ("(forward + backward unless stated); peak MiB is the extra memory the call allocates, gradients included"
             if mode == "full" else "(no backward); peak MiB is the extra memory the call allocates")
     lines.append(f"Measured on {', '.join(gpus)}; median of `triton.testing.do_bench`; mode `{mode}` {what}.")
+    if device_baselines:
+        lines.append("Device ms: the median GPU time of a step with the host far ahead (`harness.device_time`); "
+                     "where it is below the do_bench time, the step waited on the host.")
     return "\n".join(lines)
 
 

@@ -77,7 +77,8 @@ def render(out_dir=harness.RESULTS_DIR, readme="README.md"):
     # K alone labels a row only while every result has the same (B, F, D): a --quick run saved into
     # the same folder would otherwise add rows that read exactly like the full-size ones
     same_bfd = len({(r.shape["B"], r.shape["F"], r.shape["D"]) for r in results}) == 1
-    table = harness.speedup_table(results, shape_keys=["K"] if same_bfd else ["B", "K", "F", "D"])
+    table = harness.speedup_table(results, shape_keys=["K"] if same_bfd else ["B", "K", "F", "D"],
+                                  device_baselines=("torch.compile",))
     ratio_lines = _hier_over_topk(results)
     text = table + ("\n\n" + ratio_lines if ratio_lines else "")
     harness.update_readme(FAMILY, text, readme)
