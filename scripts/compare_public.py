@@ -53,7 +53,8 @@ def main(folder):
     results = harness.run_cases(cases)
     out = os.environ.get("OUT", ".")
     harness.save(results, "sae_public", out)
-    table = harness.speedup_table(results, baselines=("flex-sae", "torch.compile"), shape_keys=["K"])
+    table = harness.speedup_table(results, baselines=("flex-sae", "torch.compile"), shape_keys=["K"],
+                                  device_baselines=("flex-sae", "torch.compile"))
     with open(os.path.join(out, "sae_public.md"), "w") as f:
         f.write(table + "\n")
     print(table)

@@ -277,3 +277,19 @@ def test_device_time_reads_the_gpu_not_the_host():
     wall = do_bench(gpu_bound, warmup=20, rep=100)
     dev = harness.device_time(gpu_bound, wall)
     assert dev is not None and 0.8 * wall < dev < 1.2 * wall, (dev, wall)
+
+
+def test_sae_ratio_lines_report_device_time_too(tmp_path):
+    """Hierarchical over TopK and bf16 over fp32, each in do_bench time and in device time."""
+    from sparsefuse.bench import sae
+
+    shape = dict(B=4096, K=32, F=65536, D=2304)
+    rs = [_res("topk", "sparsefuse", shape, 1.0), _res("hierarchical", "sparsefuse", shape, 1.5),
+          _res("topk", "sparsefuse", shape, 0.9, dtype="bf16")]
+    for r, dev in zip(rs, (0.5, 1.0, 0.4)):
+        r.device_ms = dev
+    text = sae._ratio_lines(rs)
+    assert "fp32 K=32: 1.50× (device 2.00×)" in text
+    assert "topk K=32: 0.90× (device 0.80×)" in text
+    rs[1].device_ms = None
+    assert "fp32 K=32: 1.50×\n" in sae._ratio_lines(rs)
