@@ -125,8 +125,10 @@ def device_time(fn, wall_ms: float) -> Optional[float]:
     enqueues the calls, each as do_bench runs it (L2 flushed, then events around the call), so each
     call starts as soon as the previous one ends and its events bracket GPU work only. The sleep
     is sized from ``wall_ms`` (do_bench's median, which is at least the host's time per call) and
-    checked: if the host had not finished enqueuing when the GPU woke, the sleep is doubled and the
-    measurement repeated, and after three tries the result is None.
+    checked: if the host had not finished enqueuing when the GPU woke, it was blocked, most likely
+    by a full launch queue (about a thousand pending launches: a training step of a hundred kernels
+    fills it in ten calls), so the measurement is repeated with half as many calls, down to three;
+    after four tries the result is None.
     """
     import triton
 
@@ -141,11 +143,10 @@ def device_time(fn, wall_ms: float) -> Optional[float]:
     t1.record()
     torch.cuda.synchronize()
     cycles_per_ms = 10**7 / max(t0.elapsed_time(t1), 1e-3)
-    sleep_ms = 1.5 * n * wall_ms + 5
-    for _ in range(3):
+    for _ in range(4):
         starts, ends = [ev() for _ in range(n)], [ev() for _ in range(n)]
         t0.record()
-        torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        torch.cuda._sleep(int((2 * n * wall_ms + 5) * cycles_per_ms))
         t1.record()
         h0 = time.perf_counter()
         for s, e in zip(starts, ends):
@@ -158,7 +159,7 @@ def device_time(fn, wall_ms: float) -> Optional[float]:
         if host_ms < t0.elapsed_time(t1):  # the host was done before the GPU woke
             times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
             return times[(n - 1) // 2]
-        sleep_ms *= 2
+        n = max(3, n // 2)
     return None
 
 
