@@ -76,7 +76,8 @@ def gpu_name() -> str:
 
 
 def measure(case: Case, *, warmup_ms: int = 50, rep_ms: int = 300) -> Result:
-    """Time one case (median of do_bench) and record its peak extra memory."""
+    """Time one case (median of do_bench, and its device time: :func:`device_time`) and record its peak
+    extra memory."""
     from triton.testing import do_bench
 
     gc.collect()  # an earlier case's tensors held in reference cycles: freed now, not mid-measurement
