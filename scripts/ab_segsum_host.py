@@ -3,14 +3,13 @@ shipped weight gradient against the same kernels with the chunk kernel not launc
 than every segment, so no partial sum is ever read). Five alternating rounds of: host time of one
 step enqueued on an idle GPU (median of 200), and do_bench of the step. Writes JSON to argv[1]."""
 import json
-import statistics
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
 
 import sparsefuse as sf
+from sparsefuse.bench import harness
 from sparsefuse.bench.sae import make_inputs
 from sparsefuse.sae import kernels
 
@@ -36,13 +35,7 @@ for K in (32, 64):
             for name, (part, size) in variants.items():
                 kernels.chunk_partials, kernels.chunk_size = part, size
                 step()
-                host = []
-                for _ in range(200):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    step()
-                    host.append((time.perf_counter() - t0) * 1e3)
-                res[name]["host"].append(statistics.median(host))
+                res[name]["host"].append(harness.idle_host_ms(step))
                 res[name]["bench"].append(do_bench(step, warmup=25, rep=200))
         kernels.chunk_partials, kernels.chunk_size = shipped_partials, shipped_size
         out[f"K={K} {dn}"] = res

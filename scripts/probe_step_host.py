@@ -1,24 +1,23 @@
 """Host time against GPU time of one eager SAE loss step at the benchmark's shape (GPU only).
 
-For each (op, dtype, K): the host time of a step enqueued on an idle GPU (median of 200); the GPU
-time of a step with the host far ahead (20 steps queued behind a GPU sleep, event interval / 20);
-do_bench of the step (what ``bench sae`` reports); the kernels one step launches (torch.profiler)
-and the Python calls it makes (cProfile, top entries by own time). Run it once per code version in
-alternating processes to compare two versions on one machine start. Writes JSON to argv[1].
+For each (op, dtype, K): the host time of a step enqueued on an idle GPU (``harness.idle_host_ms``);
+the GPU time of a step with the host far ahead (``harness.device_time``); do_bench of the step (what
+``bench sae`` reports); the kernels one step launches (torch.profiler) and the Python calls it
+makes (cProfile, top entries by own time). Run it once per code version in alternating processes to
+compare two versions on one machine start. Writes JSON to argv[1].
 """
 import cProfile
 import io
 import json
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
 
 import sparsefuse as sf
+from sparsefuse.bench import harness
 from sparsefuse.bench.sae import make_inputs
 
 B, F, D = 4096, 65536, 2304
@@ -26,19 +25,6 @@ OPS = {"topk": sf.topk_sae_loss, "hierarchical": sf.hierarchical_sae_loss}
 CASES = [c.split(":") for c in os.environ.get("CASES", "topk:fp32:32,topk:bf16:32,hierarchical:fp32:32,"
                                                       "hierarchical:bf16:32").split(",")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def gpu_ahead(fn, n=20):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e8))
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
-
 
 out = []
 for op, dn, k in CASES:
@@ -48,14 +34,9 @@ for op, dn, k in CASES:
     fn = lambda: torch.autograd.grad(OPS[op](idx, w, v, b, t), ps)  # noqa: E731
     for _ in range(20):
         fn()
-    idle = []
-    for _ in range(200):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        idle.append((time.perf_counter() - t0) * 1e3)
-    row = dict(op=op, dtype=dn, K=K, idle_host_ms=statistics.median(idle),
-               gpu_ms=statistics.median(gpu_ahead(fn) for _ in range(3)), bench_ms=do_bench(fn, warmup=25, rep=200))
+    bench = do_bench(fn, warmup=25, rep=200)
+    row = dict(op=op, dtype=dn, K=K, idle_host_ms=harness.idle_host_ms(fn), gpu_ms=harness.device_time(fn, bench),
+               bench_ms=bench)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()

@@ -16,6 +16,7 @@ import torch
 import triton
 
 import sparsefuse as sf
+from sparsefuse.bench import harness
 from sparsefuse.bench.sae import make_inputs
 
 B, F, D = 4096, 65536, 2304
@@ -48,15 +49,9 @@ for K in (32, 64):
         fn = lambda: torch.autograd.grad(sf.topk_sae_loss(idx, w, v, b, t), ps)  # noqa: E731
         for _ in range(20):
             fn()
-        idle = []
-        for _ in range(50):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            idle.append((time.perf_counter() - t0) * 1e3)
         host_loop, gpu_loop = loop(fn, 100)
         _, gpu_ahead = loop(fn, 10, sleep=True)
-        row = dict(K=K, dtype=dn, idle_host_ms=statistics.median(idle), loop_host_ms=host_loop,
+        row = dict(K=K, dtype=dn, idle_host_ms=harness.idle_host_ms(fn, 50), loop_host_ms=host_loop,
                    loop_event_ms=gpu_loop, ahead_event_ms=gpu_ahead)
         pr = cProfile.Profile()
         pr.enable()

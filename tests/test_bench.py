@@ -258,7 +258,8 @@ def test_speedup_table_device_columns():
 @pytest.mark.gpu
 def test_device_time_reads_the_gpu_not_the_host():
     """A call that is mostly host time (2 ms of it, then one tiny launch) reads far less device time
-    than do_bench time; a call that is GPU work (a large matmul) reads about the same in both."""
+    than do_bench time, and at least its 2 ms of host time; a call that is GPU work (a large matmul)
+    reads about the same in both."""
     from triton.testing import do_bench
 
     from sparsefuse.bench import harness
@@ -273,6 +274,7 @@ def test_device_time_reads_the_gpu_not_the_host():
     wall = do_bench(host_bound, warmup=20, rep=100)
     dev = harness.device_time(host_bound, wall)
     assert dev is not None and dev < 0.2 * wall, (dev, wall)
+    assert harness.idle_host_ms(host_bound, 5) >= 2.0
     gpu_bound = lambda: a @ a  # noqa: E731
     wall = do_bench(gpu_bound, warmup=20, rep=100)
     dev = harness.device_time(gpu_bound, wall)

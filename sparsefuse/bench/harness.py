@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
@@ -189,6 +190,19 @@ def host_us(fn, n: int = 200, warmup: int = 20) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / n * 1e6
+
+
+def idle_host_ms(fn, n: int = 200) -> float:
+    """Host time of one call of ``fn`` enqueued on an idle GPU, in ms (median of ``n``, each after a
+    synchronisation): what a call costs the host when nothing is queued ahead of it."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def host_profile(fn, n: int = 200, top: int = 20, stream=None) -> None:
