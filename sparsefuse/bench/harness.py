@@ -127,10 +127,12 @@ def device_time(fn, wall_ms: float) -> Optional[float]:
     enqueues the calls, each as do_bench runs it (L2 flushed, then events around the call), so each
     call starts as soon as the previous one ends and its events bracket GPU work only. The sleep
     is sized from ``wall_ms`` (do_bench's median, which is at least the host's time per call) and
-    checked: if the host had not finished enqueuing when the GPU woke, it was blocked, most likely
-    by a full launch queue (about a thousand pending launches: a training step of a hundred kernels
-    fills it in ten calls), so the measurement is repeated with half as many calls, down to three;
-    after four tries the result is None.
+    checked: if the host had not finished enqueuing when the GPU woke, either the sleep fell short of
+    what was asked (a GPU still at idle clocks when the cycles-per-ms rate was first read sleeps
+    several times shorter once it clocks up), and the try is repeated with the rate that sleep
+    showed, or the host was blocked, most likely by a full launch queue (about a
+    thousand pending launches: a training step of a hundred kernels fills it in ten calls), and it
+    is repeated with half as many calls, down to three. After five tries the result is None.
     """
     import triton
 
@@ -140,15 +142,18 @@ def device_time(fn, wall_ms: float) -> Optional[float]:
     n = max(5, min(20, int(100 / max(wall_ms, 1e-3))))
     t0, t1 = ev(), ev()
     torch.cuda.synchronize()
+    cycles = 10**7
     t0.record()
-    torch.cuda._sleep(10**7)
+    torch.cuda._sleep(cycles)
     t1.record()
     torch.cuda.synchronize()
-    cycles_per_ms = 10**7 / max(t0.elapsed_time(t1), 1e-3)
-    for _ in range(4):
+    cycles_per_ms = cycles / max(t0.elapsed_time(t1), 1e-3)
+    for _ in range(5):
         starts, ends = [ev() for _ in range(n)], [ev() for _ in range(n)]
+        want_ms = 2 * n * wall_ms + 5
+        cycles = int(want_ms * cycles_per_ms)
         t0.record()
-        torch.cuda._sleep(int((2 * n * wall_ms + 5) * cycles_per_ms))
+        torch.cuda._sleep(cycles)
         t1.record()
         h0 = time.perf_counter()
         for s, e in zip(starts, ends):
@@ -158,10 +163,14 @@ def device_time(fn, wall_ms: float) -> Optional[float]:
             e.record()
         host_ms = (time.perf_counter() - h0) * 1e3
         torch.cuda.synchronize()
-        if host_ms < t0.elapsed_time(t1):  # the host was done before the GPU woke
+        slept_ms = t0.elapsed_time(t1)
+        if host_ms < slept_ms:  # the host was done before the GPU woke
             times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
             return times[(n - 1) // 2]
-        n = max(3, n // 2)
+        if slept_ms < 0.8 * want_ms:  # the clock rate had changed: the sleep was too short
+            cycles_per_ms = cycles / max(slept_ms, 1e-3)
+        else:
+            n = max(3, n // 2)
     return None
 
 
