@@ -127,12 +127,12 @@ def device_time(fn, wall_ms: float) -> Optional[float]:
     enqueues the calls, each as do_bench runs it (L2 flushed, then events around the call), so each
     call starts as soon as the previous one ends and its events bracket GPU work only. The sleep
     is sized from ``wall_ms`` (do_bench's median, which is at least the host's time per call) and
-    checked: if the host had not finished enqueuing when the GPU woke, either the sleep fell short of
+    checked. If the host had not finished enqueuing when the GPU woke, either the sleep fell short of
     what was asked (a GPU still at idle clocks when the cycles-per-ms rate was first read sleeps
     several times shorter once it clocks up), and the try is repeated with the rate that sleep
-    showed, or the host was blocked, most likely by a full launch queue (about a
-    thousand pending launches: a training step of a hundred kernels fills it in ten calls), and it
-    is repeated with half as many calls, down to three. After five tries the result is None.
+    showed; or the host was blocked, most likely by a full launch queue (about a thousand pending
+    launches: a training step of a hundred kernels fills it in ten calls), and the try is repeated
+    with half as many calls, down to three. After five tries the result is None.
     """
     import triton
 
