@@ -130,6 +130,29 @@ def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
             scale=fp32_scalar_scale(torch.float64, temperature, ce_weight))
 
 
+@pytest.mark.parametrize("normalize", NORMS)
+def test_rows_split_along_the_vocab(normalize):
+    """Few rows and a long vocabulary: the backward splits each row over several programs along V
+    (the interpreter's _ROW_MIN_PROGRAMS is 4, so N = 3 rows of V = 300 take two programs a row, and
+    the hidden form's chunks of 2 and 1 rows two and three). The other CPU shapes run one program
+    a row; the GPU tier's real vocabularies split."""
+    d = make(3, 4, 300, H=6, dtype=torch.float64, dup=normalize != "tail")
+    z = leaf(d["z"])
+    got = grads(sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,
+                                                    temperature=1.5), [z])
+    z64 = leaf(d["z"])
+    want = grads(ref.topk_kd_loss_from_logits(z64, d["ids"], d["t"], d["m"], normalize=normalize,
+                                              temperature=1.5)[0], [z64])
+    compare(got, want, torch.float64, ["loss", "grad"], scale=fp32_scalar_scale(torch.float64, 1.5))
+    d = make(5, 4, 300, H=6, dtype=torch.float64, dup=normalize != "tail")
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"], ce_weight=0.5)
+    got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=2, **kw), [h, w, b])
+    want = grads(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], [h, w, b])
+    compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"],
+            scale=fp32_scalar_scale(torch.float64, 1.5, 0.5))
+
+
 def test_from_hidden_equals_from_logits():
     for normalize in NORMS:
         d = make(11, 5, 53, dtype=torch.float32, dup=normalize != "tail")
@@ -467,6 +490,17 @@ def test_module():
     want, want_tok = sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="topk",
                                                          return_per_token=True)
     assert_close(tok, want_tok, torch.float32, "per token, logits")
+    # num_items_in_batch given per call reaches every form
+    assert_close(crit(zk, d["t"], d["m"], num_items_in_batch=7),
+                 sparsefuse.topk_kd_loss(zk, d["t"], d["m"], num_items_in_batch=7), torch.float32, "gathered, items")
+    assert_close(mod(d["z"], d["ids"], d["t"], d["m"], num_items_in_batch=7),
+                 sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="tail",
+                                                     temperature=2.0, num_items_in_batch=7), torch.float32,
+                 "logits, items")
+    assert_close(mod(d["h"], d["ids"], d["t"], d["m"], lm_head_weight=d["w"], num_items_in_batch=7),
+                 sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"], normalize="tail",
+                                                     temperature=2.0, num_items_in_batch=7), torch.float32,
+                 "hidden, items")
     with pytest.raises(ValueError, match="gathered logits support normalize='topk' only"):
         mod(zk, d["t"], d["m"])
     with pytest.raises(TypeError, match="target_token_ids has dtype float32"):
@@ -653,6 +687,12 @@ def test_bad_inputs():
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, ce_weight=1.0)
     with pytest.raises(ValueError, match=r"hidden has shape \(5, 12\); expected \[\.\.\., 11\]"):
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"][:, :11], ids, t, m)
+    with pytest.raises(ValueError, match=r"logits must have a vocabulary dimension V >= 1"):
+        sparsefuse.topk_kd_loss_from_logits(z[:, :0], ids, t, m)
+    with pytest.raises(ValueError, match=r"lm_head_weight must have at least one row \(V >= 1\)"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"][:0], ids, t, m)
+    with pytest.raises(ValueError, match=r"labels has shape \(4,\); expected \[5\]"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, labels=d["labels"][:4], ce_weight=1.0)
     with pytest.raises(TypeError, match="lm_head_bias has dtype float64; expected one of float32"):
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, lm_head_bias=d["b"].double())
 

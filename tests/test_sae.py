@@ -48,8 +48,9 @@ def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True
 
 def value_and_grads(fn, idx, weight, vals, bias, target):
     """The output (a loss, or the decode) and the grads wrt weight, vals, bias; a non-scalar output
-    is back-propagated with a fixed random incoming gradient so every element matters."""
-    params = [p.detach().clone().requires_grad_() for p in (weight, vals, bias) if p is not None]
+    is back-propagated with a fixed random incoming gradient so every element matters. The parameters
+    keep their layout (detach, not clone: a clone of a strided view with gaps is contiguous)."""
+    params = [p.detach().requires_grad_() for p in (weight, vals, bias) if p is not None]
     weight_, vals_ = params[0], params[1]
     bias_ = params[2] if bias is not None else None
     out = fn(idx, weight_, vals_, bias_, target)
@@ -99,6 +100,7 @@ def _spy_launches(monkeypatch):
     pytest.param(37, 3, 40, 100, 2, False, id="B37-K3-F40-D100-two-chunks"),
     pytest.param(37, 3, 64, 100, 1, True, id="B37-K3-F64-D100-fits-narrow-last-tile"),
     pytest.param(4, 3, 300, 100, 1, True, id="B4-K3-F300-D100-fits"),
+    pytest.param(8, 4, 16, 100, 1, True, id="B8-K4-F16-D100-fits-exactly"),  # B*K = 2F: the rows fill the buffer
     pytest.param(64, 8, 4, 64, 1, False, id="B64-K8-F4-D64-one-tile-too-big"),
 ])
 def test_hierarchical_half_weight_staged_path(B, K, F, D, chunks, fits, deterministic, monkeypatch):
@@ -341,6 +343,85 @@ def test_weight_grad_feature_sums(weighted):
     torch.testing.assert_close(got_wsum, want_wsum)
 
 
+def test_weight_grad_sums_each_feature_in_entry_order():
+    """The fixed order of the segmented sum is the documented one, a stable sort by feature: each
+    feature's entries in entry order. Unweighted fp32 rows of very different magnitudes (the sum
+    rounds differently in any other order), segments shorter than a chunk (the plain walk): a
+    sequential sum in entry order must match bit for bit."""
+    from sparsefuse.sae import kernels
+
+    B, K, F, D = 16, 4, 3, 8
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, F, (B, K), generator=g)
+    rows = torch.randn(B, D, generator=g) * torch.logspace(-4, 4, B)[torch.randperm(B, generator=g)][:, None]
+    # no segment holds a whole chunk: every entry is walked, in order
+    assert int(idx.reshape(-1).bincount().max()) < kernels.chunk_size(B * K, B)
+    got = kernels.weight_grad(idx.to(DEVICE), rows.to(DEVICE), None, F, torch.float32)
+    want = torch.zeros(F, D)
+    for e, f in enumerate(idx.reshape(-1).tolist()):
+        want[f] += rows[e // K]
+    assert torch.equal(got.cpu(), want)
+
+
+def _dense_codes(idx, vals, F):
+    return torch.zeros(idx.shape[0], F, dtype=vals.dtype, device=vals.device).scatter_add(1, idx, vals)
+
+
+DENSE = {  # the ops written with torch's own dense layers: a definition independent of the references
+    "decode": lambda i, w, v, b, t: _dense_codes(i, v, w.shape[0]) @ w + b,
+    "topk": lambda i, w, v, b, t: torch.nn.functional.mse_loss(_dense_codes(i, v, w.shape[0]) @ w + b, t),
+    "hierarchical": lambda i, w, v, b, t: torch.stack([
+        torch.nn.functional.mse_loss(_dense_codes(i[:, :k], v[:, :k], w.shape[0]) @ w + b, t)
+        for k in range(1, i.shape[1] + 1)]).mean(),
+}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_matches_dense_torch_formula(op):
+    """The loss normalisation (1/(B*D), 1/(B*K*D)) and every gradient, against the ops written with
+    torch.nn.functional.mse_loss over a dense reconstruction, which shares no code (and so no
+    mistake) with reference.py."""
+    idx, weight, vals, bias, target = make(6, 4, 9, 11, torch.float64)
+    got = value_and_grads(OPS[op][0], idx, weight, vals, bias, target)
+    want = value_and_grads(DENSE[op], idx, weight, vals, bias, target)
+    for name, a, b in zip(["value", "grad_weight", "grad_vals", "grad_bias"], got, want):
+        assert_close(a, b, torch.float64, f"{op} {name}")
+
+
+def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
+    """Without TRITON_INTERPRET, CPU tensors take reference.py's split forward / backward functions;
+    test_cpu_reference_path_without_interpreter checks the two losses there, this checks the decode
+    and sparse_linear (x trainable and frozen) against the autograd of the plain references."""
+    code = (
+        "import torch, sparsefuse, sparsefuse._registry as r; assert not r.INTERPRET\n"
+        "from sparsefuse.sae import reference as ref\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "B, K, F, D = 5, 3, 7, 6\n"
+        "idx = torch.randint(0, F, (B, K), generator=g)\n"
+        "rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)\n"
+        "def grads(fn, args, frozen=()):\n"
+        "    ps = [a.clone().requires_grad_(i not in frozen) for i, a in enumerate(args)]\n"
+        "    out = fn(*ps)\n"
+        "    return [out, *torch.autograd.grad(out, [p for p in ps if p.requires_grad], rnd(*out.shape))]\n"
+        "def same(ours, theirs, args, frozen=()):\n"
+        "    state = g.get_state()\n"
+        "    a = grads(ours, args, frozen)\n"
+        "    g.set_state(state)\n"
+        "    for x, y in zip(a, grads(theirs, args, frozen), strict=True):\n"
+        "        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)\n"
+        "same(lambda v, w, b: sparsefuse.sae_decode(idx, v, w, b), lambda v, w, b: ref.sae_decode(idx, v, w, b),\n"
+        "     (rnd(B, K), rnd(F, D), rnd(D)))\n"
+        "for frozen in ((), (0,)):\n"
+        "    same(lambda x, w, b, s: sparsefuse.sparse_linear(x, w, idx, b, s),\n"
+        "         lambda x, w, b, s: ref.sparse_linear(x, w, idx, b, s),\n"
+        "         (rnd(B, D), rnd(F, D), rnd(F), rnd(D)), frozen)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("row_per_entry", [False, True])
 def test_weight_grad_long_segments(monkeypatch, weighted, row_per_entry):
@@ -540,13 +621,16 @@ def _good():
         (lambda a: a.update(bias=a["bias"][:3]), ValueError, r"bias has shape \(3,\); expected \[5\]"),
         (lambda a: a.update(target=a["target"][:2]), ValueError, r"target has shape \(2, 5\); expected \[4, 5\]"),
         (lambda a: a.update(target=a["target"].to("meta")), ValueError, r"target is on meta"),
+        (lambda a: a.update(vals=a["vals"].to("meta")), ValueError, r"vals is on meta"),
+        (lambda a: a.update(indices=a["indices"].to("meta")), ValueError, r"indices is on meta"),
+        (lambda a: a.update(bias=a["bias"].to("meta")), ValueError, r"bias is on meta"),
         (lambda a: a.update(vals=None), TypeError, r"vals must be a tensor"),
         (lambda a: a.update(target=None), TypeError, r"target must be a tensor"),
         (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
         (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
     ],
     ids=["rank", "idx-dtype", "K0", "F0", "w-dtype", "w-rank", "vals-shape", "bias-shape", "target-shape",
-         "device", "none", "target-none", "idx-high", "idx-negative"],
+         "device", "vals-device", "idx-device", "bias-device", "none", "target-none", "idx-high", "idx-negative"],
 )
 @pytest.mark.parametrize("op", ["topk", "hierarchical"])
 def test_bad_input_errors(op, mutate, exc, match):

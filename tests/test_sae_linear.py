@@ -34,8 +34,9 @@ def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True
 
 def value_and_grads(fn, x, weight, idx, bias, shift, frozen=()):
     """The output and the grads wrt x, weight, bias, x_shift (those given and not ``frozen``) under
-    a fixed random incoming gradient."""
-    args = {n: None if t is None else t.detach().clone().requires_grad_(n not in frozen)
+    a fixed random incoming gradient. The inputs keep their layout (detach, not clone: a clone of a
+    strided view with gaps is contiguous)."""
+    args = {n: None if t is None else t.detach().requires_grad_(n not in frozen)
             for n, t in dict(x=x, weight=weight, bias=bias, shift=shift).items()}
     out = fn(args["x"], args["weight"], idx, args["bias"], args["shift"])
     gen = torch.Generator().manual_seed(1)
@@ -77,14 +78,16 @@ def test_some_inputs_frozen(frozen):
     check_against_fp64(*make(6, 3, 8, 20, torch.float64), torch.float64, frozen=frozen)
 
 
-def test_non_contiguous_inputs():
-    x, weight, idx, bias, shift = make(6, 4, 9, 20, torch.float32)
+@pytest.mark.parametrize("shift", [True, False], ids=["shift", "noshift"])
+def test_non_contiguous_inputs(shift):
+    """noshift: x reaches the kernels as it is (x - x_shift would have made a contiguous copy)."""
+    x, weight, idx, bias, shift = make(6, 4, 9, 20, torch.float32, shift=shift)
     x_nc = torch.cat([x, x], dim=1)[:, ::2]
     weight_t = weight.t().contiguous().t()  # column-major [F, D] view
     idx_nc = torch.cat([idx, idx], dim=1)[:, ::2]
     bias_nc = torch.cat([bias, bias])[::2]
-    shift_nc = torch.cat([shift, shift])[::2]
-    assert not any(t.is_contiguous() for t in (x_nc, weight_t, idx_nc, bias_nc, shift_nc))
+    shift_nc = None if shift is None else torch.cat([shift, shift])[::2]
+    assert not any(t.is_contiguous() for t in (x_nc, weight_t, idx_nc, bias_nc, shift_nc) if t is not None)
     check_against_fp64(x_nc, weight_t, idx_nc, bias_nc, shift_nc, torch.float32)
 
 
@@ -228,11 +231,15 @@ def test_torch_compile_fullgraph_parity():
         (lambda a: a.update(x_shift=a["x_shift"].int()), TypeError, r"x_shift has dtype int32"),
         (lambda a: a.update(values=a["x"][:, :2]), ValueError, r"values has shape \(4, 2\); expected \[4, 3\]"),
         (lambda a: a.update(x=a["x"].to("meta")), ValueError, r"x is on meta"),
+        (lambda a: a.update(indices=a["indices"].to("meta")), ValueError, r"indices is on meta"),
+        (lambda a: a.update(bias=a["bias"].to("meta")), ValueError, r"bias is on meta"),
+        (lambda a: a.update(x_shift=a["x_shift"].to("meta")), ValueError, r"x_shift is on meta"),
+        (lambda a: a.update(values=a["x"][:, :3].to("meta")), ValueError, r"values is on meta"),
         (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
         (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
     ],
     ids=["x-rank", "x-width", "x-dtype", "w-rank", "F0", "idx-rows", "K0", "idx-dtype", "bias-shape", "shift-shape",
-         "shift-dtype", "values-shape", "device",
+         "shift-dtype", "values-shape", "device", "idx-device", "bias-device", "shift-device", "values-device",
          "idx-high", "idx-negative"],
 )
 def test_bad_input_errors(mutate, exc, match):

@@ -30,16 +30,16 @@ def make(B, K, D, *, L=None, dtype=torch.float32, device=DEVICE, seed=0, used=No
 
 
 def run_both(x, codes, state, *, semantics, decay=0.9, threshold=1.5, restart_after=3, reset=None, seed=7,
-             deterministic=False):
+             deterministic=False, eps=1e-5):
     """(fused state, float64 reference state) after one update from the same generator state."""
     got = [t.clone() for t in state]
     dev = x.device
     vq_ema_update(x, codes, *got, decay=decay, semantics=semantics, threshold=threshold, reset_cluster_size=reset,
                   restart_after_steps=restart_after, generator=torch.Generator(device=dev).manual_seed(seed),
-                  deterministic=deterministic)
+                  deterministic=deterministic, eps=eps)
     want = [t.double() if t.is_floating_point() else t.clone() for t in state]
     reference.ema_update(x.double(), codes, *want, decay=decay, active=semantics == "active", threshold=threshold,
-                         reset=reset, restart_after=restart_after,
+                         reset=reset, restart_after=restart_after, eps=eps,
                          generator=torch.Generator(device=dev).manual_seed(seed))
     return got, want
 
@@ -83,6 +83,17 @@ def test_ema_update_matches_reference(semantics, B, K, D):
 def test_ema_update_decay_extremes(semantics, decay):
     x, codes, *state = make(29, 7, 9)
     got, want = run_both(x, codes, state, semantics=semantics, decay=decay)
+    assert_state(got, want)
+
+
+@pytest.mark.parametrize("semantics", ["active", "laplace"])
+def test_ema_update_large_eps(semantics):
+    """eps large enough to matter in float32: the Laplace smoothing (N_k + eps) / (sum N + K eps) * sum N,
+    and with "active" the refresh S_k / max(N_k, eps) of used codes whose N_k falls below eps (at the
+    default 1e-5 either term is below the float32 tolerance, so the other tests cannot see it)."""
+    x, codes, *state = make(29, 7, 9)
+    state[1][:3] = 0.05  # codes 0..2: N_k after the blend is 0.0475 + 0.05 n_k, below eps for n_k < 9
+    got, want = run_both(x, codes, state, semantics=semantics, decay=0.95, eps=0.5)
     assert_state(got, want)
 
 
@@ -412,6 +423,11 @@ def test_ema_update_bad_inputs():
         vq_ema_update(x, codes, *state[:3], semantics="active", restart_after_steps=2)
     with pytest.raises(ValueError, match="must be contiguous"):
         vq_ema_update(x, codes, state[0].T.contiguous().T, *state[1:])
+    for decay in (1.5, -0.1):
+        with pytest.raises(ValueError, match=re.escape(f"decay must lie in [0, 1], got {decay}")):
+            vq_ema_update(x, codes, *state, decay=decay)
+    with pytest.raises(ValueError, match=re.escape("restart_after_steps must be below 2^24, got 16777216")):
+        vq_ema_update(x, codes, *state, semantics="active", restart_after_steps=2**24)
     # eps = 0 with an empty batch made every codebook row NaN (0 / 0); a negative eps was taken as is
     for eps in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=f"eps must be a positive finite number, got {eps}"):
@@ -587,6 +603,19 @@ def test_nearest_code_ties_go_to_lowest_index(precision):
     g = torch.Generator().manual_seed(0)
     base = torch.randn(5, 16, generator=g)
     c = torch.cat([base, base, base[:2]]).to(DEVICE)  # every vector three or two times
+    x = torch.cat([base, base + 0.01 * torch.randn(5, 16, generator=g)]).to(DEVICE)
+    codes, _ = nearest_code(x, c, precision=precision)
+    assert torch.equal(codes.cpu(), torch.arange(10) % 5)
+
+
+@pytest.mark.parametrize("precision", ["exact", "ieee", "fast"])
+def test_nearest_code_ties_across_code_tiles_go_to_lowest_index(precision):
+    """Copies of a code in different code tiles (37 codes: three of the interpreter's 16-code tiles;
+    the test above fits one tile): the earlier tile keeps the tie."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(5, 16, generator=g)
+    far = 50 + torch.randn(27, 16, generator=g)  # never the nearest
+    c = torch.cat([base, far, base]).to(DEVICE)  # code i and code 32 + i are equal
     x = torch.cat([base, base + 0.01 * torch.randn(5, 16, generator=g)]).to(DEVICE)
     codes, _ = nearest_code(x, c, precision=precision)
     assert torch.equal(codes.cpu(), torch.arange(10) % 5)
@@ -808,6 +837,19 @@ def test_kmeans_init_needs_rows():
     assert torch.equal((c[:2, None] == x[None]).all(-1).sum(0), torch.ones(2, dtype=torch.long, device=DEVICE))
 
 
+def test_kmeans_empty_cluster_keeps_its_centroid():
+    """With B < K code 2 starts where code 0 does; ties go to the lowest index, so code 2 gets no row
+    and keeps its centroid through the iterations (it must not collapse to 0)."""
+    from sparsefuse.vq.modules import _kmeans
+
+    x = torch.randn(2, 4, device=DEVICE) + 3
+    c, n = _kmeans(x, 3, 2, cosine=False, precision="exact", generator=torch.Generator(device=DEVICE).manual_seed(0),
+                   process_group=None)
+    assert n.tolist() == [1.0, 1.0, 0.0]
+    assert torch.equal(c[2], c[0])
+    assert torch.equal((c[:2, None] == x[None]).all(-1).sum(0), torch.ones(2, dtype=torch.long, device=DEVICE))
+
+
 @pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
 def test_module_rejects_a_wrong_last_dim_before_updating(levels):
     """x [3, 8] for dim 4 reshaped to [6, 4] and the codebook was updated before the output's view
@@ -881,6 +923,55 @@ def test_residual_vq_uses_one_multi_level_update():
     rvq2 = ResidualVQ(3, 5, 7, kmeans_init=True, kmeans_iters=3).to(DEVICE)
     rvq2(x)
     assert bool(rvq2.initted)
+
+
+def test_residual_vq_loss_and_gradients():
+    """The loss is commitment_weight times the mean over levels of mean((r_l - sg(q_l))^2), with
+    r_l = x - sg(q_0 + ... + q_{l-1}), and its gradient reaches x; the output passes gradients
+    straight through. Against a float64 autograd reference built from the returned codes (eval mode:
+    no update)."""
+    torch.manual_seed(0)
+    L, D, K, beta = 3, 5, 7, 0.4
+    rvq = ResidualVQ(L, D, K, commitment_weight=beta).to(DEVICE).eval()
+    x = torch.randn(11, D, device=DEVICE, requires_grad=True)
+    wts = torch.randn(11, D, device=DEVICE)
+    out, codes, loss = rvq(x)
+    (g,) = torch.autograd.grad((out * wts).sum() + loss, x)
+    x64 = x.detach().double().requires_grad_()
+    total = torch.zeros_like(x64)
+    want_loss = 0.0
+    for level in range(L):
+        q = rvq.codebook[level].double()[codes[:, level]]
+        want_loss = want_loss + ((x64 - total) - q).square().mean()
+        total = total + q
+    want_loss = want_loss * (beta / L)
+    want_out = x64 + (total - x64).detach()
+    (want_g,) = torch.autograd.grad((want_out * wts.double()).sum() + want_loss, x64)
+    assert_close(out.detach(), want_out, torch.float32, "quantized")
+    assert_close(loss, want_loss, torch.float32, "loss")
+    assert_close(g, want_g, torch.float32, "grad_x")
+
+
+def test_residual_vq_kmeans_init_fits_each_level_on_the_residual():
+    """Level l is initialised by k-means on what levels < l leave over, not on x."""
+    from sparsefuse.vq.modules import _kmeans
+
+    g = torch.Generator().manual_seed(0)
+    x = (10 * torch.randn(4, 3, generator=g)[torch.arange(40) % 4] + torch.randn(40, 3, generator=g)).to(DEVICE)
+    rvq = ResidualVQ(2, 3, 4, kmeans_init=True, kmeans_iters=3,
+                     generator=torch.Generator(device=DEVICE).manual_seed(5)).to(DEVICE)
+    rvq.kmeans_init_(x)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    r, want = x, []
+    for _ in range(2):
+        c, n = _kmeans(r, 4, 3, cosine=False, precision="exact", generator=gen, process_group=None)
+        want.append((c, n.clamp_min(1)))
+        r = r - c[nearest_code(r, c)[0]]
+    for level, (c, n) in enumerate(want):
+        assert_close(rvq.codebook[level], c, torch.float32, f"codebook[{level}]")
+        assert_close(rvq.cluster_size[level], n, torch.float32, f"cluster_size[{level}]")
+        assert_close(rvq.embed_sum[level], c * n[:, None], torch.float32, f"embed_sum[{level}]")
+    assert bool(rvq.initted)
 
 
 def test_in_place_update_is_seen_by_autograd():
