@@ -131,6 +131,22 @@ def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
 
 
 @pytest.mark.parametrize("normalize", NORMS)
+@pytest.mark.parametrize("ce_weight", [0.0, 0.5])
+def test_from_hidden_wide(normalize, ce_weight):
+    """H = 70 spans three of the interpreter's 32-wide H tiles (the other CPU shapes fit one): the
+    hidden kernels' loops over H, forward and backward ("topk" without cross-entropy takes the
+    K-row gather kernel, the rest the vocabulary chunks)."""
+    d = make(5, 4, 23, H=70, dtype=torch.float64, dup=normalize != "tail")
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"] if ce_weight else None,
+              ce_weight=ce_weight)
+    got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=2, **kw), [h, w, b])
+    want = grads(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], [h, w, b])
+    compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"],
+            scale=fp32_scalar_scale(torch.float64, 1.5, ce_weight))
+
+
+@pytest.mark.parametrize("normalize", NORMS)
 def test_rows_split_along_the_vocab(normalize):
     """Few rows and a long vocabulary: the backward splits each row over several programs along V
     (the interpreter's _ROW_MIN_PROGRAMS is 4, so N = 3 rows of V = 300 take two programs a row, and

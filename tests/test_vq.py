@@ -67,6 +67,7 @@ SHAPES = [
     pytest.param(1, 3, 5, id="B1-K3-D5"),
     pytest.param(50, 1, 100, id="B50-K1-D100"),
     pytest.param(5, 50, 1, id="B5-K50-D1"),
+    pytest.param(9, 5, 200, id="B9-K5-D200"),  # D past the 128-column tile: the kernels' D loops take two steps
 ]
 
 
