@@ -299,3 +299,158 @@ def test_sae_ratio_lines_report_device_time_too(tmp_path):
     assert "topk K=32: 0.90× (device 0.80×)" in text
     rs[1].device_ms = None
     assert "fp32 K=32: 1.50×\n" in sae._ratio_lines(rs)
+
+
+# --- mutation audit: measure() and device_time() on a simulated GPU, tables, result files, the CLI
+
+
+def test_measure_reports_the_median_and_quantiles(monkeypatch):
+    """measure() on the CPU with the CUDA calls stubbed: ms is do_bench's median (not a quantile,
+    not the mean), GB/s and TFLOP/s are per second of that median, the device time is
+    device_time's, and a peak below the size of the call's results is flagged."""
+    import triton.testing
+
+    peak = [3 * 2**20]
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 2**20 + peak[0])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, quantiles: [0.5, 2.0, 8.0])
+    monkeypatch.setattr(harness, "device_time", lambda fn, wall_ms: wall_ms / 4)
+    out = torch.zeros(2**18)  # 1 MiB of results
+    case = harness.Case(op="op", provider="sparsefuse", shape={"K": 8}, dtype="fp32", mode="full",
+                        make=lambda: (lambda: out), bytes_moved=6 * 10**9, flops=4 * 10**12)
+    res = harness.measure(case)
+    assert (res.ms, res.ms_q20, res.ms_q80, res.device_ms) == (2.0, 0.5, 8.0, 0.5)
+    assert res.gbps == pytest.approx(3000.0) and res.tflops == pytest.approx(2000.0)
+    assert res.peak_extra_mib == pytest.approx(3.0) and "peak_below_results_mib" not in res.extra
+    peak[0] = 2**19
+    res = harness.measure(case)
+    assert res.extra["peak_below_results_mib"] == pytest.approx(1.0)
+
+
+class _SimulatedGPU:
+    """A GPU timeline (ms) and a host clock (ms) for device_time(): events stamp the GPU time, a
+    sleep of c cycles lasts c / rate ms (the rate can change after the first sleep: clocks ramping
+    up), each call of the timed function costs ``host_ms`` on the host and the next of ``gpu_ms`` on
+    the GPU."""
+
+    def __init__(self, monkeypatch, host_ms, gpu_ms, rates=(1000.0,)):
+        import triton
+        from types import SimpleNamespace
+
+        self.gpu = self.host = 0.0
+        self.rates, self.sleeps, self.calls = list(rates), 0, []
+        self.host_ms, self.gpu_ms = host_ms, list(gpu_ms)
+        sim = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = sim.gpu
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+
+        def sleep(cycles):
+            sim.gpu += cycles / sim.rates[min(sim.sleeps, len(sim.rates) - 1)]
+            sim.sleeps += 1
+            if sim.sleeps > 1:
+                sim.calls.append(0)  # one try starts
+
+        driver = SimpleNamespace(get_empty_cache_for_benchmark=lambda: None, clear_cache=lambda cache: None)
+        monkeypatch.setattr(triton.runtime, "driver", SimpleNamespace(active=driver))
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(harness, "time", SimpleNamespace(perf_counter=lambda: sim.host / 1e3))
+
+    def fn(self):
+        self.host += self.host_ms
+        self.gpu += self.gpu_ms[self.calls[-1] % len(self.gpu_ms)]
+        self.calls[-1] += 1
+
+
+def test_device_time_is_the_median_gpu_time_when_the_host_is_ahead(monkeypatch):
+    gpu_ms = [0.3, 1.9, 0.7, 1.1, 0.2, 1.5, 0.9, 1.3, 0.5, 1.7, 0.4, 1.0, 0.6, 1.2, 0.8, 1.4, 0.1, 1.6, 1.8, 2.0]
+    sim = _SimulatedGPU(monkeypatch, host_ms=0.01, gpu_ms=gpu_ms)
+    got = harness.device_time(sim.fn, 1.0)
+    assert sim.calls == [20]  # n = clamp(100 ms / wall_ms, 5, 20)
+    assert got == pytest.approx(sorted(gpu_ms)[9])  # the lower median of the 20 calls
+
+
+def test_device_time_retries_with_the_rate_the_sleep_showed(monkeypatch):
+    """The GPU clocks up after the first (calibrating) sleep, so the next sleep is 4x shorter than
+    asked and the host is not done when it ends: one retry with the new rate, same number of calls."""
+    sim = _SimulatedGPU(monkeypatch, host_ms=1.0, gpu_ms=[0.25], rates=(1000.0, 4000.0))
+    assert harness.device_time(sim.fn, 1.0) == pytest.approx(0.25)
+    assert sim.calls == [20, 20]
+
+
+def test_device_time_gives_up_with_none_when_the_host_never_gets_ahead(monkeypatch):
+    """A host blocked on every call (10 ms each, the sleep as long as asked): half as many calls each
+    try, down to three, and None after five tries (not a time that would read as the GPU's)."""
+    sim = _SimulatedGPU(monkeypatch, host_ms=10.0, gpu_ms=[0.25])
+    assert harness.device_time(sim.fn, 1.0) is None
+    assert sim.calls == [20, 10, 5, 3, 3]
+
+
+def _table_rows(text):
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]]
+
+
+def test_speedup_table_columns_rows_and_order():
+    """Each cell under its own header, only the results of the table's mode, shapes in numeric order
+    (K=32 before K=128), and a baseline missing from a row shows a dash."""
+    rs = []
+    for K, ours_ms, torch_ms in ((128, 2.0, 5.0), (32, 1.0, 4.0)):
+        ours = harness.Result(op="op", provider="sparsefuse", shape={"K": K}, dtype="fp32", mode="full", ms=ours_ms,
+                              ms_q20=ours_ms, ms_q80=ours_ms, peak_extra_mib=10.0 * K, gbps=100.0 * K, gpu="GPU")
+        rs += [ours, _res("op", "torch", {"K": K}, torch_ms)]
+    rs.append(harness.Result(op="op", provider="sparsefuse", shape={"K": 64}, dtype="fp32", mode="fwd", ms=0.1,
+                             ms_q20=0.1, ms_q80=0.1, peak_extra_mib=1.0, gpu="GPU"))
+    rows = _table_rows(harness.speedup_table(rs))
+    assert [r["shape"] for r in rows] == ["K=32", "K=128"]
+    assert rows[0] == {"op": "op", "dtype": "fp32", "shape": "K=32", "sparsefuse ms": "1.000", "torch ms": "4.000",
+                       "torch.compile ms": "—", "vs torch": "**4.00×**", "vs torch.compile": "—",
+                       "sparsefuse peak MiB": "320", "sparsefuse GB/s": "3200"}
+    assert rows[1]["vs torch"] == "**2.50×**" and rows[1]["sparsefuse peak MiB"] == "1280"
+    fwd = _table_rows(harness.speedup_table(rs, mode="fwd"))
+    assert [(r["shape"], r["sparsefuse ms"]) for r in fwd] == [("K=64", "0.100")]
+
+
+def test_save_replaces_an_earlier_result_with_the_same_key(tmp_path):
+    harness.save([_res("op", "sparsefuse", {"K": 8}, 1.0), _res("op", "torch", {"K": 8}, 3.0)], "fam", str(tmp_path))
+    harness.save([_res("op", "sparsefuse", {"K": 8}, 2.0)], "fam", str(tmp_path))
+    got = {(r.provider, r.ms) for r in harness.load("fam", str(tmp_path))}
+    assert got == {("sparsefuse", 2.0), ("torch", 3.0)}
+
+
+@pytest.mark.parametrize("results", [(True, True), (False, True), (True, False)])
+def test_bench_cli_without_gpu_exit_status_follows_every_check(monkeypatch, capsys, results):
+    """`sparsefuse bench a b` without a GPU runs the check of every family named (all of them, even
+    after one fails) and exits 1 when any failed."""
+    import types
+
+    import sparsefuse.bench
+    from sparsefuse import cli
+
+    called = []
+
+    def family(name):
+        def check(log=print):
+            called.append(name)
+            return dict(zip(("sae", "vq"), results))[name]
+        return types.SimpleNamespace(check=check)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sparsefuse.bench, "family", family)
+    status = cli.main(["bench", "sae", "vq"])
+    out = capsys.readouterr().out
+    assert called == ["sae", "vq"]
+    assert status == (0 if all(results) else 1)
+    assert ("all checks passed" in out) == all(results) and ("SOME CHECKS FAILED" in out) != all(results)

@@ -366,3 +366,150 @@ def test_segmented_sum_kernels_compile_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "kernel variants for sm_90" in out.stdout and "FAILED" not in out.stderr
 
+
+
+# --- mutation audit: what else a cached kernel is compiled for, and launch hooks on the cached path
+
+
+class _OptsJIT(_FakeJIT):
+    """A stand-in whose kernels also remember the launch options they were compiled with (num_warps,
+    num_stages: Triton compiles one kernel per pair) and record the hooks each launch was given."""
+
+    def __getitem__(self, grid):
+        fn = self
+
+        class Kernel:
+            function = packed_metadata = None
+
+            def __init__(self, spec, opts):
+                self.spec, self.opts = spec, opts
+
+            def launch_metadata(self, grid, stream, *all_args):
+                return "metadata"
+
+            def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *all_args):
+                fn.launched.append(((g0, g1, g2), self.spec, fn.spec(all_args)))
+                fn.kernels.append(self)
+                fn.hooks.append((meta, enter, leave))
+
+        def run(*args, num_warps=None, num_stages=None, **meta):
+            all_args = (*args, *(meta[n] for n in self.arg_names[len(args):]))
+            kernel = Kernel(self.spec(all_args), (num_warps, num_stages))
+            fn.launched.append((tuple(grid) + (1,) * (3 - len(grid)), kernel.spec, kernel.spec))
+            fn.kernels.append(kernel)
+            fn.hooks.append(None)
+            return kernel
+
+        return run
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.kernels, self.hooks = [], []
+
+
+def test_cached_launch_keys_cover_constexprs_and_launch_options(fast_path):
+    """A kernel compiled for BLOCK=64, or for 4 warps / 2 stages, is not reused for BLOCK=32, 8 warps
+    or 3 stages (each is a different compiled kernel in Triton)."""
+    fn = _OptsJIT(["p", "n", "BLOCK"], nospec=set(), n_constexpr=1)
+    ptr = _Ptr()
+    calls = [(64, 4, None), (32, 4, None), (64, 8, None), (64, 4, 3), (64, 8, 3), (32, 4, None), (64, 8, None)]
+    for block, warps, stages in calls:
+        _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK=block), warps, stages)
+    for (block, warps, stages), kernel, (_, kernel_spec, args_spec) in zip(calls, fn.kernels, fn.launched):
+        assert kernel_spec == args_spec, f"a kernel compiled for {kernel_spec} was launched with {args_spec}"
+        assert kernel.opts == (warps, stages), f"a kernel compiled with {kernel.opts} launched as {(warps, stages)}"
+    assert fn.hooks[5:] != [None, None], "the last two calls should take the cached path"
+
+
+@pytest.mark.parametrize("which", ["enter", "exit"])
+def test_cached_launch_passes_installed_hooks_on_the_cpu(fast_path, which):
+    """The CPU twin of test_gpu_cached_launch_calls_installed_hooks: a cached launch with only an
+    exit hook (or only an enter hook) installed hands both hooks and the launch metadata to the
+    kernel; with none installed it passes None for all three."""
+    fn = _OptsJIT(["p", "n", "BLOCK"], nospec=set(), n_constexpr=1)
+    ptr = _Ptr()
+    _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK=64), 4)  # compiled
+    _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK=64), 4)  # cached, no hooks
+    assert fn.hooks[-1] == (None, None, None)
+    chain = knobs.runtime.launch_enter_hook if which == "enter" else knobs.runtime.launch_exit_hook
+    hook = lambda metadata: None  # noqa: E731
+    chain.add(hook)
+    try:
+        _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK=64), 4)
+    finally:
+        chain.remove(hook)
+    meta, enter, leave = fn.hooks[-1]
+    assert meta == "metadata" and enter is knobs.runtime.launch_enter_hook and leave is knobs.runtime.launch_exit_hook
+
+
+# --- mutation audit: plain_eager's other refusals (a dispatch mode, a functorch transform, meta tensors)
+
+
+def _decode_inputs():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 8, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, 16, (4, 3), generator=g)
+    vals = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    return idx, vals, weight
+
+
+def test_dispatch_mode_sees_the_registered_ops():
+    """Under a TorchDispatchMode (opcheck's SchemaCheckMode, FlopCounterMode, a logging mode) the op is
+    dispatched, not launched behind the mode's back: a mutating op included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sparsefuse import sae_decode
+    from sparsefuse.sae.ops import normalize_rows_
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    idx, vals, weight = _decode_inputs()
+    with Record() as mode:
+        out = sae_decode(idx, vals, weight)
+        normalize_rows_(weight.clone())
+    assert "sparsefuse.sae_decode.default" in mode.seen and "sparsefuse.normalize_rows_.default" in mode.seen, mode.seen
+    torch.testing.assert_close(out, torch.einsum("bk,bkd->bd", vals, weight[idx]))
+
+
+def test_vmap_goes_through_the_registered_op():
+    """Under torch.vmap the arguments are batched wrappers (plain ``torch.Tensor`` to ``type()``): the
+    registered op runs them through PyTorch's batching fallback; the launcher, handed a wrapper,
+    failed with "Cannot access storage of BatchedTensorImpl"."""
+    from sparsefuse import sae_decode
+
+    idx, vals, weight = _decode_inputs()
+    batch = torch.stack([vals, 2 * vals, -vals])
+    got = torch.vmap(lambda v: sae_decode(idx, v, weight))(batch)
+    torch.testing.assert_close(got, torch.stack([sae_decode(idx, v, weight) for v in batch]))
+
+
+def test_meta_tensors_take_the_fake_implementation():
+    from sparsefuse import sae_decode
+
+    idx, vals, weight = (t.to("meta") for t in _decode_inputs())
+    out = sae_decode(idx, vals, weight)
+    assert out.device.type == "meta" and out.shape == (4, 8) and out.dtype == torch.float64
+
+
+@pytest.mark.parametrize("needs", ["vals", "weight", "bias"])
+def test_fast_path_keeps_autograd_when_one_input_requires_grad(needs):
+    """The eager fast path records the autograd Function when any (not every) input requires grad."""
+    from sparsefuse import sae_decode
+
+    idx, vals, weight = _decode_inputs()
+    bias = torch.randn(8, dtype=torch.float64)
+    inputs = dict(vals=vals, weight=weight, bias=bias)
+    inputs[needs] = inputs[needs].clone().requires_grad_()
+    out = sae_decode(idx, inputs["vals"], inputs["weight"], inputs["bias"])
+    grad = torch.autograd.grad(out.square().sum(), inputs[needs])[0]
+    ref = {k: v.detach().clone().requires_grad_(k == needs) for k, v in inputs.items()}
+    want_out = torch.einsum("bk,bkd->bd", ref["vals"], ref["weight"][idx]) + ref["bias"]
+    want = torch.autograd.grad(want_out.square().sum(), ref[needs])[0]
+    torch.testing.assert_close(grad, want)

@@ -335,3 +335,99 @@ def test_bf16_parameters_take_fp32_input():
 
 def test_default_k_aux_with_d_model_1():
     assert TopKSAE(1, 4, 1).config["k_aux"] == 1
+
+
+# --- mutation audit: the parts the fused and reference modules share (AuxK, the dead clock, FVU) -------
+# test_module_gradients_match_reference compares two modules that run the same forward(): a slip in
+# the AuxK normalisation or weighting moves both alike. These check that code against the formulas
+# of the module docstring, written out densely in float64.
+
+
+@pytest.mark.parametrize("n_dead", [8, 2], ids=["many-dead", "fewer-dead-than-k_aux"])
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_loss_with_auxk_matches_dense_math(encoder, n_dead):
+    """With fewer dead latents than k_aux (5 here) AuxK also picks live ones, at activation 0: they
+    must add nothing (the sparse encoder recomputes their activation, which is not 0)."""
+    m, x = _model(False, encoder=encoder, auxk_alpha=0.25, dead_tokens=100), _x()
+    with torch.no_grad():  # nonzero biases, so a dropped or misplaced bias shows
+        m.b_dec.copy_(torch.linspace(-0.2, 0.3, D, dtype=torch.float64))
+        m.b_enc.copy_(torch.linspace(-0.1, 0.1, F, dtype=torch.float64))
+    dead = torch.zeros(F, dtype=torch.bool, device=DEVICE)
+    dead[torch.arange(0, F, 3)[:n_dead]] = True
+    m.tokens_since_fired[dead] = 1000
+    out = m(x)
+    pre = (x - m.b_dec) @ m.W_enc.T + m.b_enc
+    vals, idx = pre.relu().topk(K, dim=1)
+    x_hat = m.b_dec + (vals.unsqueeze(-1) * m.W_dec[idx]).sum(1)
+    var = (x - x.mean(0)).square().mean()
+    recon = (x_hat - x).square().mean() / var
+    e = (x - x_hat).detach()
+    aux_vals, aux_idx = (pre.relu() * dead).topk(m.config["k_aux"], dim=1)
+    e_hat = (aux_vals.unsqueeze(-1) * m.W_dec[aux_idx]).sum(1)
+    auxk = (e_hat - e).square().mean() / e.square().mean()
+    assert auxk > 0
+    assert_close(out.recon_loss, recon, torch.float64, "recon_loss")
+    assert_close(out.auxk_loss, auxk, torch.float64, "auxk_loss")
+    assert_close(out.loss, recon + 0.25 * auxk, torch.float64, "loss")
+    got = torch.autograd.grad(out.loss, list(m.parameters()))
+    want = torch.autograd.grad(recon + 0.25 * auxk, list(m.parameters()))
+    for (name, _), a, b in zip(m.named_parameters(), got, want):
+        assert_close(a, b, torch.float64, f"grad {name}", scale=50)
+
+
+def test_dead_clock_boundary():
+    """Dead after more than ``dead_tokens`` tokens without firing: exactly ``dead_tokens`` is alive."""
+    m = _model(False, dead_tokens=50)
+    zeros = torch.zeros(F, device=DEVICE)
+    m.record_firing(zeros, 50)
+    assert not m.dead_mask().any()
+    m.record_firing(zeros, 1)
+    assert m.dead_mask().all()
+
+
+def test_fired_counts_count_positive_activations_only():
+    """A latent chosen with activation 0 (fewer than K positive pre-activations) did not fire."""
+    m = _model(False)
+    idx = torch.tensor([[0, 1, 2], [1, 3, 2]], device=DEVICE)
+    vals = torch.tensor([[2.0, 0.0, 0.0], [1.0, 0.5, 0.0]], dtype=torch.float64, device=DEVICE)
+    want = torch.zeros(F)
+    want[[0, 1, 3]] = 1
+    assert torch.equal(m.fired_counts(idx, vals).cpu(), want)
+
+
+def test_fvu_curve_every_prefix():
+    """FVU(k') decodes the k' largest activations (the prefix of the sorted code), for every k'."""
+    m, x = _model(False), _x(rows=40)
+    with torch.no_grad():
+        m.b_dec.copy_(torch.linspace(-0.2, 0.3, D, dtype=torch.float64))
+    curve = m.fvu_curve(x, ks=[1, 2, 3, 5], batch_size=16)
+    m.requires_grad_(False)
+    pre = ((x - m.b_dec) @ m.W_enc.T + m.b_enc).relu()
+    vals, idx = pre.topk(K, dim=1)
+    total = (x - x.mean(0)).square().sum()
+    for kp, got in curve.items():
+        recon = m.b_dec + (vals[:, :kp, None] * m.W_dec[idx[:, :kp]]).sum(1)
+        want = float((x - recon).square().sum() / total)
+        assert abs(got - want) <= 1e-9 * want, kp
+    assert curve[1] > curve[2] > curve[3] > curve[5]
+
+
+def test_pre_acts_subtract_the_decoder_bias():
+    m, x = _model(False), _x()
+    with torch.no_grad():
+        m.b_dec.copy_(torch.linspace(-0.5, 0.5, D, dtype=torch.float64))
+        m.b_enc.copy_(torch.linspace(-0.1, 0.1, F, dtype=torch.float64))
+    want = ((x - m.b_dec) @ m.W_enc.T + m.b_enc).relu()
+    assert_close(m.pre_acts(x), want, torch.float64, "pre_acts")
+    idx, vals = m.encode(x)
+    assert torch.equal(idx, want.topk(K, dim=1).indices)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_initial_decoder_is_the_encoder_transposed(normalize):
+    """Initialisation (the class docstring): decoder rows = encoder rows, scaled to unit norm."""
+    m = TopKSAE(D, F, K, normalize_decoder=normalize, seed=3)
+    w_enc, w_dec = m.W_enc.detach().double(), m.W_dec.detach().double()
+    want = w_enc / w_enc.norm(dim=1, keepdim=True) if normalize else w_enc
+    assert_close(w_dec, want, torch.float32, "W_dec")
+    assert not m.b_dec.any() and not m.b_enc.any()

@@ -162,3 +162,62 @@ def test_ddp_gloo_matches_single_process(tmp_path, monkeypatch):
                 assert err < 1e-5, f"{loss} {name}: DDP differs from one process by {err:.2e}"
             else:
                 assert torch.equal(got, want), f"{loss} {name}"
+
+
+# --- mutation audit: what the trainer hands the module (the DDP test compares two runs of the same code)
+
+
+@pytest.mark.parametrize("lr", [None, 1e-3])
+def test_trainer_setup_follows_the_config(monkeypatch, lr):
+    """Adam's learning rate (default 2e-4 / sqrt(n_latents / 2**14)), b_dec started at the data mean,
+    the loss divided by the variance of the whole training set (not the batch's, not the mean square),
+    the dead-latent default min(10M, steps * batch_size // 5), and the decoder projection /
+    renormalisation around every optimiser step."""
+    from sparsefuse.sae import modules, train as train_mod
+
+    seen = {}
+    real_adam, real_forward = torch.optim.Adam, modules.TopKSAE.forward
+
+    def adam(params, lr):
+        seen.setdefault("lr", lr)
+        opt = real_adam(params, lr=lr)
+        step = opt.step
+        opt.step = lambda: (events.append("step"), step())[1]
+        return opt
+
+    def forward(self, x, variance=None):
+        seen.setdefault("b_dec", self.b_dec.detach().clone())
+        seen.setdefault("variance", variance)
+        return real_forward(self, x, variance)
+
+    events = []
+    for name in ("remove_parallel_grad_", "normalize_decoder_"):
+        real = getattr(modules.TopKSAE, name)
+        monkeypatch.setattr(modules.TopKSAE, name, lambda self, _f=real, _n=name: (events.append(_n), _f(self))[1])
+    monkeypatch.setattr(torch.optim, "Adam", adam)
+    monkeypatch.setattr(modules.TopKSAE, "forward", forward)
+    cfg = TrainConfig(k=2, n_latents=32, batch_size=16, steps=2, n_samples=96, eval_rows=8, d_model=6, n_features=10,
+                      mean_active=2.0, lr=lr, out=None, progress=False, device="cpu")
+    run = train_sae(cfg, log=lambda *_: None)["hierarchical"]
+    train, _, _ = train_mod._load_data(cfg)
+    data = train.double()
+    assert seen["lr"] == pytest.approx(lr if lr is not None else 2e-4 / (32 / 2**14) ** 0.5, rel=1e-12)
+    torch.testing.assert_close(seen["b_dec"], data.mean(0).float())
+    assert float(seen["variance"]) == pytest.approx(float((data - data.mean(0)).square().mean()), rel=1e-6)
+    assert run.model.config["dead_tokens"] == 2 * 16 // 5
+    # every step: the gradient's radial part removed before the optimiser step, rows renormalised after
+    assert events == ["remove_parallel_grad_", "step", "normalize_decoder_"] * 2
+
+
+def test_activation_files_pick_the_named_tensor_and_convert_to_float32(tmp_path):
+    """A dict holding several tensors gives the one named "activations"; integer activations come
+    back as float32 (load_activations' contract)."""
+    x = torch.arange(12).reshape(4, 3)
+    path = str(tmp_path / "acts.pt")
+    torch.save({"labels": torch.zeros(4), "activations": x}, path)
+    got = load_activations(path)
+    assert got.dtype == torch.float32 and torch.equal(got, x.float())
+    npy = str(tmp_path / "acts.npy")
+    np.save(npy, x.numpy().astype(np.int32))
+    got = load_activations(npy)
+    assert got.dtype == torch.float32 and torch.equal(got, x.float())
