@@ -28,6 +28,7 @@ import os
 from typing import Callable, Iterable, Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 NAMESPACE = "sparsefuse"
 
@@ -127,17 +128,44 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def plain_eager(args) -> bool:
     """Cheap (it runs on every call): no tracing (Dynamo or ``torch.jit.trace``), no dispatch mode,
-    no functorch transform, and every tensor argument a plain CPU or CUDA tensor."""
+    no functorch transform, and every tensor argument a plain CPU or CUDA tensor.
+
+    Raises ``NotImplementedError`` for forward-mode AD (see :func:`_refuse_forward_ad`)."""
     if torch.compiler.is_compiling():  # first: Dynamo must not trace the checks below
         return False
     if torch._C._get_tracing_state() is not None:  # torch.jit.trace records the op, not its launches
         return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        _refuse_forward_ad(args, functorch=True)
+        return False
+    if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
+        _refuse_forward_ad(args, functorch=False)
+    if torch._C._len_torch_dispatch_stack():
         return False
     for a in args:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or not (a.is_cuda or a.is_cpu)):
             return False
     return True
+
+
+_NO_FORWARD_AD = ("sparsefuse ops have no forward-mode AD formula (torch.func.jvp / jacfwd, or dual tensors of "
+                  "torch.autograd.forward_ad); differentiate in reverse mode (loss.backward(), torch.autograd.grad, "
+                  "torch.func.vjp)")
+
+
+def _refuse_forward_ad(args, functorch: bool) -> None:
+    """A custom op without a forward-mode formula hands back no tangent (zeros under
+    ``torch.func.jvp``) without complaint; refuse, rather than return a wrong derivative. ``functorch``:
+    a functorch transform is active (a Jvp level among them, and a tensor argument wrapped by one);
+    otherwise a forward-AD dual level is (an argument carrying a tangent)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if functorch:
+        stack = torch._C._functorch.get_interpreter_stack() or ()
+        jvp = any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
+        if jvp and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+            raise NotImplementedError(_NO_FORWARD_AD)
+    elif any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(_NO_FORWARD_AD)
 
 
 def bump_versions(*tensors) -> None:

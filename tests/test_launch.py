@@ -513,3 +513,46 @@ def test_fast_path_keeps_autograd_when_one_input_requires_grad(needs):
     want_out = torch.einsum("bk,bkd->bd", ref["vals"], ref["weight"][idx]) + ref["bias"]
     want = torch.autograd.grad(want_out.square().sum(), ref[needs])[0]
     torch.testing.assert_close(grad, want)
+
+
+# --- forward-mode AD: refused, never a silent zero tangent
+
+
+def _forward_ad_cases():
+    import sparsefuse
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64).to(DEVICE)
+    idx = torch.randint(0, 6, (3, 2), generator=g).to(DEVICE)
+    v = torch.randn(3, 2, generator=g, dtype=torch.float64).to(DEVICE)
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64).to(DEVICE)
+    return {  # name: (function of one tensor, the primal)
+        "sae_decode": (lambda vv: sparsefuse.sae_decode(idx, vv, w), v),
+        "topk_sae_loss": (lambda ww: sparsefuse.topk_sae_loss(idx, ww, v, None, x), w),
+        "hierarchical_sae_loss": (lambda vv: sparsefuse.hierarchical_sae_loss(idx, w, vv, None, x), v),
+        "sparse_linear": (lambda xx: sparsefuse.sparse_linear(xx, w, idx), x),
+        "nearest_code": (lambda xx: sparsefuse.nearest_code(xx, w)[1], x),
+    }
+
+
+@pytest.mark.parametrize("op", list(_forward_ad_cases()))
+def test_forward_mode_ad_is_refused(op):
+    """torch.func.jvp used to return a zero tangent, and a dual tensor under forward_ad no tangent at
+    all (the ops have no forward-mode formula); both now raise. A constant argument (no tangent, not
+    wrapped) is still fine inside either."""
+    import torch.autograd.forward_ad as fwAD
+
+    fn, primal = _forward_ad_cases()[op]
+    tangent = torch.randn_like(primal)
+    match = "sparsefuse ops have no forward-mode AD formula"
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.jvp(fn, (primal,), (tangent,))
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.jacfwd(fn)(primal)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match=match):
+            fn(fwAD.make_dual(primal, tangent))
+        want = fn(primal)  # no tangent anywhere: runs
+    out, tan = torch.func.jvp(lambda p: p.sum() + fn(primal).sum(), (primal,), (tangent,))
+    torch.testing.assert_close(out, primal.sum() + want.sum())
+    torch.testing.assert_close(tan, tangent.sum())
