@@ -30,8 +30,8 @@ column), except for ``"topk"`` without cross-entropy, where the bad slot adds no
 token's other slots add what they would if it were masked).
 
 Reductions: ``"sum"``; ``"mean"`` over tokens that have an unmasked slot (counted on the device);
-``num_items_in_batch`` (a positive finite number, not a bool, or a one-element tensor on the inputs' device) divides
-the sum instead, for gradient accumulation.
+``num_items_in_batch`` (a positive finite number, or a one-element tensor on the inputs' device)
+divides the sum instead, for gradient accumulation.
 
 Layering: forward and backward are each one registered op (``torch.ops.sparsefuse.kd_*``, with
 fake implementations, so ``torch.compile(fullgraph=True)`` sees them), and a small
@@ -70,11 +70,7 @@ def _reduction_args(reduction, num_items_in_batch, dev):
         if num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch must hold one element, got shape {tuple(num_items_in_batch.shape)}")
         return 2, num_items_in_batch.reshape(()), 1.0
-    ok = isinstance(num_items_in_batch, numbers.Real) and not isinstance(num_items_in_batch, bool)
-    if not (ok and 0 < num_items_in_batch < float("inf")):  # NaN fails both comparisons
-        raise ValueError(f"num_items_in_batch must be a positive number or a one-element tensor, "
-                         f"got {num_items_in_batch!r}")
-    return 2, None, float(num_items_in_batch)
+    return 2, None, check_number("num_items_in_batch", num_items_in_batch, positive=True)
 
 
 def _normalize_code(normalize):
@@ -196,8 +192,8 @@ def topk_kd_loss(
             masked: an unmasked slot enters the renormalisation whatever its log-prob (-1e9, -inf).
         temperature: T > 0, a Python number; divides the student logits; the loss is multiplied by T^2.
         reduction: ``"mean"`` (over tokens with an unmasked slot) or ``"sum"``.
-        num_items_in_batch: if given (a positive finite number, or a one-element tensor whose value is not
-            checked), the loss is the sum divided by it (in place of ``reduction``'s divisor).
+        num_items_in_batch: if given (a positive finite number, or a one-element tensor whose value is
+            not checked), the loss is the sum divided by it (in place of ``reduction``'s divisor).
         return_per_token: also return the per-token loss ``[...]`` (differentiable).
 
     Returns:
