@@ -155,16 +155,25 @@ _NO_FORWARD_AD = ("sparsefuse ops have no forward-mode AD formula (torch.func.jv
 
 def _refuse_forward_ad(args, functorch: bool) -> None:
     """A custom op without a forward-mode formula hands back no tangent (zeros under
-    ``torch.func.jvp``) without complaint; refuse, rather than return a wrong derivative. ``functorch``:
-    a functorch transform is active (a Jvp level among them, and a tensor argument wrapped by one);
-    otherwise a forward-AD dual level is (an argument carrying a tangent)."""
+    ``torch.func.jvp``) without complaint; refuse, rather than return a wrong derivative.
+
+    An argument carrying a tangent is refused: under a forward-AD dual level, or under a functorch
+    transform whose innermost level is a Jvp (``jvp``, ``jacfwd``). Arguments without one
+    (constants, detached values, integer ids) run. A Jvp level below another transform (``vmap``
+    or ``grad`` inside ``jvp``) hides its tangents behind that transform's wrappers, so there any
+    wrapped argument is refused: an error where a zero tangent might be right, never the reverse."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if functorch:
         stack = torch._C._functorch.get_interpreter_stack() or ()
-        jvp = any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
-        if jvp and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
-            raise NotImplementedError(_NO_FORWARD_AD)
-    elif any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        jvp = torch._C._functorch.TransformType.Jvp
+        if stack and stack[-1].key() == jvp:
+            refuse = any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+        else:
+            refuse = any(i.key() == jvp for i in stack) and any(
+                torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    else:
+        refuse = any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    if refuse:
         raise NotImplementedError(_NO_FORWARD_AD)
 
 

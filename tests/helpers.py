@@ -31,6 +31,12 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, name
     assert err <= TOL[dtype] * scale, f"{name}: relative error {err:.3e} > {TOL[dtype] * scale:.1e} ({dtype})"
 
 
+def copy_strided(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` with the same strides (``clone`` of a view with gaps is contiguous), so
+    a test of non-contiguous inputs really passes them, and two runs never share storage."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
+
+
 def need_gpu_memory(gib: float) -> None:
     """Skip the calling test without ``gib`` GiB of free GPU memory, counting what PyTorch's
     allocator holds but does not use (the large-tensor tests of the GPU tier)."""

@@ -133,10 +133,10 @@ def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
 @pytest.mark.parametrize("normalize", NORMS)
 @pytest.mark.parametrize("ce_weight", [0.0, 0.5])
 def test_from_hidden_wide(normalize, ce_weight):
-    """H = 70 spans three of the interpreter's 32-wide H tiles (the other CPU shapes fit one): the
-    hidden kernels' loops over H, forward and backward ("topk" without cross-entropy takes the
-    K-row gather kernel, the rest the vocabulary chunks)."""
-    d = make(5, 4, 23, H=70, dtype=torch.float64, dup=normalize != "tail")
+    """H = 300 spans several H tiles (32 wide under the interpreter, 128 on a GPU; the other CPU shapes
+    fit one): the hidden kernels' loops over H, forward and backward ("topk" without cross-entropy
+    takes the K-row gather kernel, the rest the vocabulary chunks)."""
+    d = make(5, 4, 23, H=300, dtype=torch.float64, dup=normalize != "tail")
     h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
     kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"] if ce_weight else None,
               ce_weight=ce_weight)
@@ -152,6 +152,10 @@ def test_rows_split_along_the_vocab(normalize):
     (the interpreter's _ROW_MIN_PROGRAMS is 4, so N = 3 rows of V = 300 take two programs a row, and
     the hidden form's chunks of 2 and 1 rows two and three). The other CPU shapes run one program
     a row; the GPU tier's real vocabularies split."""
+    from sparsefuse.kd import kernels as kd_kernels
+
+    if sparsefuse._registry.INTERPRET:  # the split this test is for
+        assert 3 < kd_kernels._ROW_MIN_PROGRAMS and 300 > kd_kernels._ROW_BLOCK_V
     d = make(3, 4, 300, H=6, dtype=torch.float64, dup=normalize != "tail")
     z = leaf(d["z"])
     got = grads(sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize,

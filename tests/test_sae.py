@@ -17,7 +17,7 @@ import sparsefuse
 from sparsefuse import compat
 from sparsefuse.sae import reference as ref
 
-from helpers import DEVICE, TOL, assert_close
+from helpers import DEVICE, TOL, assert_close, copy_strided
 
 OPS = {
     "decode": (lambda i, w, v, b, t: sparsefuse.sae_decode(i, v, w, b), lambda i, w, v, b, t: ref.sae_decode(i, v, w, b)),
@@ -49,8 +49,8 @@ def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True
 def value_and_grads(fn, idx, weight, vals, bias, target):
     """The output (a loss, or the decode) and the grads wrt weight, vals, bias; a non-scalar output
     is back-propagated with a fixed random incoming gradient so every element matters. The parameters
-    keep their layout (detach, not clone: a clone of a strided view with gaps is contiguous)."""
-    params = [p.detach().requires_grad_() for p in (weight, vals, bias) if p is not None]
+    are copies that keep their layout (a clone of a strided view with gaps would be contiguous)."""
+    params = [copy_strided(p).requires_grad_() for p in (weight, vals, bias) if p is not None]
     weight_, vals_ = params[0], params[1]
     bias_ = params[2] if bias is not None else None
     out = fn(idx, weight_, vals_, bias_, target)

@@ -10,7 +10,7 @@ import torch
 import sparsefuse
 from sparsefuse.sae import reference as ref
 
-from helpers import DEVICE, assert_close
+from helpers import DEVICE, assert_close, copy_strided
 
 SHAPES = [  # (B, K, F, D); K = 50 > F = 5 repeats latents within a row
     pytest.param(1, 1, 5, 1, id="B1-K1-F5-D1"),
@@ -34,9 +34,9 @@ def make(B, K, F, D, dtype, *, device=DEVICE, index_dtype=torch.int64, bias=True
 
 def value_and_grads(fn, x, weight, idx, bias, shift, frozen=()):
     """The output and the grads wrt x, weight, bias, x_shift (those given and not ``frozen``) under
-    a fixed random incoming gradient. The inputs keep their layout (detach, not clone: a clone of a
-    strided view with gaps is contiguous)."""
-    args = {n: None if t is None else t.detach().requires_grad_(n not in frozen)
+    a fixed random incoming gradient. The inputs are copies that keep their layout (a clone of a
+    strided view with gaps would be contiguous)."""
+    args = {n: None if t is None else copy_strided(t).requires_grad_(n not in frozen)
             for n, t in dict(x=x, weight=weight, bias=bias, shift=shift).items()}
     out = fn(args["x"], args["weight"], idx, args["bias"], args["shift"])
     gen = torch.Generator().manual_seed(1)

@@ -178,9 +178,9 @@ def test_trainer_setup_follows_the_config(monkeypatch, lr):
     seen = {}
     real_adam, real_forward = torch.optim.Adam, modules.TopKSAE.forward
 
-    def adam(params, lr):
+    def adam(params, lr, **kw):
         seen.setdefault("lr", lr)
-        opt = real_adam(params, lr=lr)
+        opt = real_adam(params, lr=lr, **kw)
         step = opt.step
         opt.step = lambda: (events.append("step"), step())[1]
         return opt
