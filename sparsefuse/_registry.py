@@ -163,14 +163,11 @@ def _refuse_forward_ad(args, functorch: bool) -> None:
     or ``grad`` inside ``jvp``) hides its tangents behind that transform's wrappers, so there any
     wrapped argument is refused: an error where a zero tangent might be right, never the reverse."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if functorch:
-        stack = torch._C._functorch.get_interpreter_stack() or ()
-        jvp = torch._C._functorch.TransformType.Jvp
-        if stack and stack[-1].key() == jvp:
-            refuse = any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-        else:
-            refuse = any(i.key() == jvp for i in stack) and any(
-                torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    stack = (torch._C._functorch.get_interpreter_stack() or ()) if functorch else ()
+    jvp = torch._C._functorch.TransformType.Jvp
+    if stack and stack[-1].key() != jvp:  # a Jvp level, if any, hides below another transform
+        refuse = any(i.key() == jvp for i in stack) and any(
+            torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
     else:
         refuse = any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors)
     if refuse:
