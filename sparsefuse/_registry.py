@@ -16,13 +16,16 @@ plain tensors) the returned op calls the same implementation directly, with the 
 ``setup_context`` / ``backward`` wrapped in an ``autograd.Function``, and bumps the version
 counters of the arguments it mutates as the dispatcher would (so autograd still refuses a tensor
 saved for backward and then changed in place). Anything else (compile, ``torch.jit.trace``,
-``opcheck``, fake or functional tensors, functorch transforms) goes through the registered op. The
-VQ and KD public functions, which keep their own eager paths, use the same two helpers:
-:func:`plain_eager` and :func:`bump_versions`.
+``opcheck``, fake or functional tensors, ``torch.vmap``) goes through the registered op. The
+VQ and KD public functions, which keep their own eager paths, use the same helpers:
+:func:`plain_eager` and :func:`bump_versions`, and :func:`refuse_transforms` and
+:func:`first_order` for the derivatives the ops do not have (forward mode, functorch's reverse
+mode, second derivatives): each raises ``NotImplementedError`` rather than return a wrong one.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Callable, Iterable, Optional
@@ -53,8 +56,11 @@ def register_op(
         fake: shape/dtype-only implementation (same signature) used under tracing.
         reference: pure-PyTorch implementation for CPU tensors when the Triton interpreter is off.
         mutates_args: names of arguments written in place (declared to the dispatcher).
-        backward, setup_context: autograd formula, as for ``torch.library.register_autograd``.
+        backward, setup_context: autograd formula, as for ``torch.library.register_autograd``
+            (``backward`` is wrapped in :func:`first_order`).
     """
+    if backward is not None:
+        backward = first_order(backward)
 
     def wrap(launcher: Callable):
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", launcher, mutates_args=tuple(mutates_args))
@@ -130,16 +136,14 @@ def plain_eager(args) -> bool:
     """Cheap (it runs on every call): no tracing (Dynamo or ``torch.jit.trace``), no dispatch mode,
     no functorch transform, and every tensor argument a plain CPU or CUDA tensor.
 
-    Raises ``NotImplementedError`` for forward-mode AD (see :func:`_refuse_forward_ad`)."""
+    Raises ``NotImplementedError`` for forward-mode AD and functorch's reverse mode (see
+    :func:`refuse_transforms`)."""
     if torch.compiler.is_compiling():  # first: Dynamo must not trace the checks below
         return False
     if torch._C._get_tracing_state() is not None:  # torch.jit.trace records the op, not its launches
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        _refuse_forward_ad(args, functorch=True)
+    if refuse_transforms(args):
         return False
-    if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
-        _refuse_forward_ad(args, functorch=False)
     if torch._C._len_torch_dispatch_stack():
         return False
     for a in args:
@@ -148,9 +152,64 @@ def plain_eager(args) -> bool:
     return True
 
 
+def refuse_transforms(args, *, functorch_ok: bool = True) -> bool:
+    """Raise ``NotImplementedError`` where an argument would need a derivative rule these ops do not
+    have: forward-mode AD (:func:`_refuse_forward_ad`), and functorch's reverse-mode transforms
+    (``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``) over an argument that requires grad
+    there. Their autograd formulas are registered for ``torch.autograd``, which functorch does not
+    use for custom ops, so PyTorch itself failed with a message about ``setup_context``.
+    ``torch.vmap`` alone passes (the registered ops run per sample). ``functorch_ok=False`` (callers
+    whose own ``autograd.Function`` has no functorch support) refuses every functorch transform.
+    Returns whether a functorch transform is active; False, checking nothing, while
+    ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return False
+    functorch = torch._C._functorch.peek_interpreter_stack() is not None
+    if functorch:
+        _refuse_forward_ad(args, functorch=True)
+        if not functorch_ok:
+            raise NotImplementedError(_NO_FUNCTORCH)
+        grad = torch._C._functorch.TransformType.Grad
+        if torch.is_grad_enabled() and any(i.key() == grad for i in torch._C._functorch.get_interpreter_stack()) \
+                and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise NotImplementedError(_NO_FUNCTORCH_GRAD)
+    elif _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
+        _refuse_forward_ad(args, functorch=False)
+    return functorch
+
+
+_NO_FUNCTORCH_GRAD = ("sparsefuse ops do not support functorch's reverse-mode transforms (torch.func.grad, vjp, "
+                      "jacrev, hessian); differentiate with torch.autograd (loss.backward(), torch.autograd.grad)")
+_NO_FUNCTORCH = ("this sparsefuse function does not run under functorch transforms (torch.func.grad, vjp, jacrev, "
+                 "vmap); call it outside the transform and differentiate with torch.autograd")
+_NO_SECOND_DERIVATIVE = ("sparsefuse ops have no second derivative, so their backward cannot run with "
+                         "create_graph=True (gradient penalties, Hessian-vector products, meta-learning through "
+                         "them); compute first-order gradients only")
+
+
+def first_order(backward: Callable) -> Callable:
+    """Wrap an autograd ``backward(ctx, *grads)`` of these ops, which have no second derivative.
+
+    Run with ``create_graph=True`` (grad mode on inside a backward), the kernels' gradients would
+    come back as constants: a gradient penalty or ``torch.autograd.functional.hvp`` built on them
+    would silently lose their second-order terms (the CPU references recorded part of them). So that
+    raises ``NotImplementedError`` instead. (Handing the gradients back attached to a node that
+    raises only when differentiated, as ``once_differentiable`` does, is not enough: ``autograd.grad``
+    prunes nodes off the path to its inputs, so that node must be wired to every input of the op,
+    which would keep activations such as KD's hidden states alive until the backward.) Without
+    ``create_graph`` this costs one call and one flag read."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise NotImplementedError(_NO_SECOND_DERIVATIVE)
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 _NO_FORWARD_AD = ("sparsefuse ops have no forward-mode AD formula (torch.func.jvp / jacfwd, or dual tensors of "
-                  "torch.autograd.forward_ad); differentiate in reverse mode (loss.backward(), torch.autograd.grad, "
-                  "torch.func.vjp)")
+                  "torch.autograd.forward_ad); differentiate in reverse mode (loss.backward(), torch.autograd.grad)")
 
 
 def _refuse_forward_ad(args, functorch: bool) -> None:

@@ -576,3 +576,80 @@ def test_forward_mode_ad_runs_what_carries_no_tangent():
     out, tan = torch.func.jvp(fn, (s,), (s,))
     torch.testing.assert_close(out, fn(s))
     torch.testing.assert_close(tan, s.sum().expand(5, 4))
+
+
+# --- second derivatives and functorch's reverse mode: refused, never silently dropped
+
+
+def _reverse_cases():
+    """name: (scalar function of one tensor, the primal), one per autograd formula in the package."""
+    import sparsefuse
+
+    g = torch.Generator().manual_seed(1)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE)  # noqa: E731
+    w, x, v, bias = r(6, 4), r(3, 4), r(3, 2), r(4)
+    idx = torch.randint(0, 6, (3, 2), generator=g).to(DEVICE)
+    codes = torch.randint(0, 6, (3,), generator=g).to(DEVICE)
+    logits, hidden = r(3, 6), r(3, 4)
+    t = torch.log_softmax(r(3, 2), -1)
+    return {
+        "sae_decode": (lambda ww: sparsefuse.sae_decode(idx, v, ww, bias).square().sum(), w),
+        "topk_sae_loss": (lambda ww: sparsefuse.topk_sae_loss(idx, ww, v, bias, x), w),
+        "hierarchical_sae_loss": (lambda ww: sparsefuse.hierarchical_sae_loss(idx, ww, v, bias, x), w),
+        # deterministic: the loss and its unscaled gradients from one launch (a second registered op)
+        "hierarchical_sae_loss fused": (
+            lambda ww: sparsefuse.hierarchical_sae_loss(idx, ww, v, bias, x, deterministic=True), w),
+        "sparse_linear": (lambda ww: sparsefuse.sparse_linear(x, ww, idx).square().sum(), w),
+        "quantize": (lambda xx: sparsefuse.vq.quantize(xx, codes, w)[0].square().sum()
+                     + sparsefuse.vq.quantize(xx, codes, w)[1], x),
+        "topk_kd_loss": (lambda z: sparsefuse.topk_kd_loss(z, t), r(3, 2)),
+        "topk_kd_loss_from_logits": (lambda z: sparsefuse.topk_kd_loss_from_logits(z, idx, t), logits),
+        "topk_kd_loss_from_hidden": (lambda ww: sparsefuse.topk_kd_loss_from_hidden(hidden, ww, idx, t), w),
+    }
+
+
+@pytest.mark.parametrize("op", list(_reverse_cases()))
+def test_second_derivative_is_refused(op):
+    """Under create_graph=True the kernels' gradients came back as constants: a gradient penalty or a
+    Hessian-vector product built on them silently lost its second-order terms (on the CPU
+    references, part of them). Now a backward with create_graph=True raises; without it, the
+    gradient is what it was."""
+    fn, primal = _reverse_cases()[op]
+    match = "sparsefuse ops have no second derivative"
+    p = primal.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match=match):
+        torch.autograd.grad(fn(p), p, create_graph=True)
+    with pytest.raises(NotImplementedError, match=match):
+        fn(p).backward(create_graph=True)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.autograd.functional.hvp(fn, primal, torch.ones_like(primal))
+    (got,) = torch.autograd.grad(fn(p), p)  # the same graph, first order: runs
+    q = primal.clone().requires_grad_()
+    fn(q).backward()
+    torch.testing.assert_close(got, q.grad, rtol=0, atol=0)
+    assert got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("op", list(_reverse_cases()))
+def test_functorch_reverse_mode_is_refused(op):
+    """torch.func.grad / vjp / jacrev failed inside PyTorch with a message about setup_context; they
+    now raise one that says what to use instead. A call whose arguments the transform does not
+    differentiate still runs inside it, and so does torch.vmap, except for the distillation losses,
+    whose autograd.Function PyTorch refuses under any functorch transform: they say so."""
+    fn, primal = _reverse_cases()[op]
+    kd = op.startswith("topk_kd")
+    match = "does not run under functorch transforms" if kd else "do not support functorch's reverse-mode"
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.grad(fn)(primal)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.vjp(fn, primal)
+    s = torch.tensor(3.0, dtype=torch.float64, device=DEVICE)
+    batch = torch.stack([primal, 2 * primal])
+    if kd:
+        with pytest.raises(NotImplementedError, match=match):
+            torch.func.grad(lambda ss: ss * fn(primal))(s)
+        with pytest.raises(NotImplementedError, match=match):
+            torch.vmap(fn)(batch)
+    else:
+        torch.testing.assert_close(torch.func.grad(lambda ss: ss * fn(primal))(s), fn(primal))
+        torch.testing.assert_close(torch.vmap(fn)(batch), torch.stack([fn(primal), fn(2 * primal)]))

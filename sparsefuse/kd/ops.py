@@ -50,7 +50,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .._registry import register_op
+from .._registry import first_order, refuse_transforms, register_op
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor,
                          index_checks_enabled)
 from . import kernels, reference
@@ -167,6 +167,7 @@ class _TopKFunction(torch.autograd.Function):
         return loss, tok
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_loss, grad_tok):
         z, t, mask, scale = ctx.saved_tensors
         if grad_loss is None:
@@ -207,6 +208,7 @@ def topk_kd_loss(
                          f"expected {tuple(target_logprobs.shape)} (the shape of target_logprobs)")
     T = _check_temperature(temperature)
     red, items, items_v = _reduction_args(reduction, num_items_in_batch, dev)
+    refuse_transforms((student_logits_topk, t, m, items), functorch_ok=False)
     loss, tok = _TopKFunction.apply(student_logits_topk.reshape(t.shape), t, m, T, red, items, items_v)
     return (loss, tok.reshape(lead)) if return_per_token else loss
 
@@ -255,6 +257,7 @@ class _LogitsFunction(torch.autograd.Function):
         return loss, tok
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_loss, grad_tok):
         z, ids, mask, lse, A, corr, scale = ctx.saved_tensors
         if grad_loss is None:
@@ -296,6 +299,7 @@ def topk_kd_loss_from_logits(
     T = _check_temperature(temperature)
     red, items, items_v = _reduction_args(reduction, num_items_in_batch, dev)
     z = logits.reshape(-1, logits.shape[-1])
+    refuse_transforms((z, ids, t, m, items), functorch_ok=False)
     loss, tok = _LogitsFunction.apply(z, ids, t, m, mode, T, red, items, items_v)
     return (loss, tok.reshape(lead)) if return_per_token else loss
 
@@ -354,6 +358,7 @@ class _HiddenFunction(torch.autograd.Function):
         return loss, tok
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_loss, grad_tok):
         if grad_tok is not None:
             if not torch.compiler.is_compiling():
@@ -466,6 +471,7 @@ def topk_kd_loss_from_hidden(
     red, items, items_v = _reduction_args(reduction, num_items_in_batch, dev)
     h = hidden.reshape(-1, H)
     w = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
+    refuse_transforms((h, w, lm_head_bias, ids, t, m, labels, items), functorch_ok=False)
     loss, tok = _HiddenFunction.apply(
         h, w, lm_head_bias, ids, t, m, labels if ce_weight else None, mode, T, red, items, items_v,
         ce_weight, _needs_grad(hidden), _needs_grad(lm_head_weight), _needs_grad(lm_head_bias),

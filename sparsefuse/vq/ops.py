@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._registry import INTERPRET, bump_versions, plain_eager, register_op
+from .._registry import INTERPRET, bump_versions, first_order, plain_eager, register_op
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor
 from . import kernels, reference
 
@@ -459,6 +459,7 @@ class _Quantize(torch.autograd.Function):
         return out, loss
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_out, grad_loss):
         x, out = ctx.saved_tensors
         impl = kernels.quantize_bwd if (x.is_cuda or INTERPRET) else reference.quantize_bwd
