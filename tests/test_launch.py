@@ -653,3 +653,19 @@ def test_functorch_reverse_mode_is_refused(op):
     else:
         torch.testing.assert_close(torch.func.grad(lambda ss: ss * fn(primal))(s), fn(primal))
         torch.testing.assert_close(torch.vmap(fn)(batch), torch.stack([fn(primal), fn(2 * primal)]))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("op", list(_reverse_cases()))
+def test_activation_checkpointing_gives_the_same_gradients(op, reentrant):
+    """torch.utils.checkpoint reruns the forward inside the backward (the reentrant form with grad mode
+    on around it, then a nested backward): the ops must run there, and :func:`first_order` must not
+    take that for a second derivative."""
+    from torch.utils.checkpoint import checkpoint
+
+    fn, primal = _reverse_cases()[op]
+    p = primal.clone().requires_grad_()
+    fn(p * 1.0).backward()
+    q = primal.clone().requires_grad_()
+    checkpoint(lambda qq: fn(qq * 1.0), q, use_reentrant=reentrant).backward()
+    torch.testing.assert_close(q.grad, p.grad)  # not bit-exact: the default hierarchical path uses atomics on a GPU
