@@ -626,7 +626,7 @@ def test_second_derivative_is_refused(op):
     (got,) = torch.autograd.grad(fn(p), p)  # the same graph, first order: runs
     q = primal.clone().requires_grad_()
     fn(q).backward()
-    torch.testing.assert_close(got, q.grad, rtol=0, atol=0)
+    torch.testing.assert_close(got, q.grad)  # two runs: the default hierarchical path uses atomics on a GPU
     assert got.abs().sum() > 0
 
 
