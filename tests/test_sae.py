@@ -926,3 +926,82 @@ def test_gpu_compute_sanitizer_memcheck_clean():
 
 def test_tolerance_table_covers_every_dtype():
     assert set(TOL) == {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+# --- a target that requires grad --------------------------------------------------------------
+
+LOSSES = {"topk": sparsefuse.topk_sae_loss, "hierarchical": sparsefuse.hierarchical_sae_loss,
+          "hierarchical-fused": _hier_deterministic}
+
+
+@pytest.mark.parametrize("op", list(LOSSES))
+@pytest.mark.parametrize("others", [True, False], ids=["with-params", "target-only"])
+@pytest.mark.parametrize("wdtype,tdtype", [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                                           (torch.float32, torch.float16)])
+@pytest.mark.parametrize("B,K,F,D", [pytest.param(3, 3, 5, 100, id="B3-K3-F5-D100"),
+                                     pytest.param(37, 50, 5, 7, id="B37-K50-F5-D7"),
+                                     pytest.param(0, 3, 5, 7, id="B0")])
+def test_target_gradient_matches_fp64_reference(op, others, wdtype, tdtype, B, K, F, D):
+    """The target used to get no gradient even when it required one (a silent zero, where
+    F.mse_loss gives -2/n * g * r). Both losses now return it, in the target's dtype, with the
+    parameters' gradients as before."""
+    _check_target_gradient(op, others, wdtype, tdtype, B, K, F, D, expect_fused=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(LOSSES))
+@pytest.mark.parametrize("others", [True, False], ids=["with-params", "target-only"])
+@pytest.mark.parametrize("wdtype,tdtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                           (torch.float32, torch.bfloat16)])
+def test_gpu_target_gradient_matches_fp64_reference(op, others, wdtype, tdtype):
+    """Deterministic bf16 takes the staged rows over two column chunks here, not the fused forward."""
+    _check_target_gradient(op, others, wdtype, tdtype, 333, 64, 4099, 777, expect_fused=wdtype != torch.bfloat16)
+
+
+def _check_target_gradient(op, others, wdtype, tdtype, B, K, F, D, expect_fused):
+    idx, weight, vals, bias, target = make(B, K, F, D, wdtype)
+    target = target.to(tdtype)
+    fn = LOSSES[op]
+    if op == "hierarchical-fused" and others and expect_fused:  # the forward that also runs the backward's sweep
+        assert sparsefuse.sae.ops._fuse_hierarchical(idx, weight.requires_grad_(), vals, bias, target, True)
+        weight = weight.detach()
+    g = torch.tensor(1.7, dtype=torch.float64, device=DEVICE)  # an incoming gradient other than 1
+    leaves = [t.clone().requires_grad_() for t in ((weight, vals, bias, target) if others else (target,))]
+    args = dict(zip(("weight", "vals", "bias", "target") if others else ("target",), leaves))
+    call = dict(weight=weight, vals=vals, bias=bias, target=target) | args
+    got = torch.autograd.grad(fn(idx, call["weight"], call["vals"], call["bias"], call["target"]) * g, leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_call = {k: v.double() for k, v in dict(weight=weight, vals=vals, bias=bias, target=target).items()}
+    ref_call |= dict(zip(args, ref_leaves))
+    refn = OPS[op.split("-")[0]][1]
+    want = torch.autograd.grad(refn(idx, ref_call["weight"], ref_call["vals"], ref_call["bias"], ref_call["target"]) * g,
+                               ref_leaves)
+    for name, a, b, leaf in zip(args, got, want, leaves):
+        assert a.dtype == leaf.dtype, name
+        assert_close(a, b, tdtype if name == "target" else wdtype, f"{op} grad_{name}")
+    if B:
+        assert got[list(args).index("target")].abs().sum() > 0
+
+
+@pytest.mark.parametrize("op", list(LOSSES))
+def test_gradcheck_fp64_with_target(op):
+    idx, weight, vals, bias, target = make(3, 3, 4, 5, torch.float64)
+    params = [t.clone().requires_grad_() for t in (weight, vals, bias, target)]
+    fn = lambda w, v, b, t: LOSSES[op](idx, w, v, b, t)  # noqa: E731
+    nondet_tol = 1e-12 if op == "hierarchical" and DEVICE == "cuda" else 0.0  # as in test_gradcheck_fp64
+    assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7, nondet_tol=nondet_tol)
+
+
+@pytest.mark.parametrize("op", list(LOSSES))
+def test_torch_compile_fullgraph_parity_with_target(op):
+    idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
+    step = lambda w, v, b, t: LOSSES[op](idx, w, v, b, t)  # noqa: E731
+    eager = [t.detach().clone().requires_grad_() for t in (weight, vals, bias, target)]
+    comp = [t.detach().clone().requires_grad_() for t in (weight, vals, bias, target)]
+    torch._dynamo.reset()
+    le, lc = step(*eager), torch.compile(step, fullgraph=True)(*comp)
+    le.backward()
+    lc.backward()
+    torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-7)
+    for a, b in zip(comp, eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)

@@ -3,7 +3,9 @@
 Shapes: ``indices [B, K]`` (int32 or int64, values in [0, F)), ``vals [B, K]``, ``weight [F, D]``,
 ``bias [D]`` or None, ``target [B, D]``. Floating inputs may be float16, bfloat16, float32 or
 float64 and may differ from one another; arithmetic is float32 (float64 if any input is float64).
-Each gradient comes back in its parameter's dtype; ``indices`` and ``target`` get none.
+Each gradient comes back in its parameter's dtype; ``indices`` get none. A ``target`` that requires
+grad gets the loss's gradient (``-c * g * r`` with the loss's residual ``r``, see
+:func:`_target_grad`), as ``F.mse_loss`` would give it.
 Any B >= 0, K >= 1, D >= 0 and F >= 1; inputs need not be contiguous.
 """
 
@@ -248,16 +250,28 @@ def _topk_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the auxiliary outputs
     ctx.save_for_backward(indices, vals, weight, resid, gv)
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.target_dtype = target.dtype
+
+
+def _target_grad(grad_loss: Tensor, resid: Tensor, terms: int, dtype: torch.dtype) -> Tensor:
+    """The gradient of ``sum(resid^2) / terms`` for ``target``, which enters ``resid`` with a minus
+    sign: ``-2 / terms * grad_loss * resid``, in ``dtype``. ``resid`` is TopK's residual, or for
+    the hierarchical loss the sum of its K prefix errors (``etot``) with ``terms = B * K * D``."""
+    return (grad_loss.to(resid.dtype) * (-2.0 / max(terms, 1)) * resid).to(dtype)
 
 
 def _topk_backward(ctx, grad_loss, _grad_resid, _grad_gv):
     if grad_loss is None:  # gradients are not materialised: nothing flows into the loss
         return None, None, None, None, None
     indices, vals, weight, resid, gv = ctx.saved_tensors
-    _, need_weight, need_vals, need_bias, _ = ctx.needs_input_grad
-    gvals, gw, gb = _topk_bwd_op(grad_loss, indices, vals, weight, resid, gv, need_weight,
-                                 ctx.bias_dtype or resid.dtype)
-    return (None, gw if need_weight else None, gvals if need_vals else None, gb if need_bias else None, None)
+    _, need_weight, need_vals, need_bias, need_target = ctx.needs_input_grad
+    gvals = gw = gb = gt = None
+    if need_weight or need_vals or need_bias:
+        gvals, gw, gb = _topk_bwd_op(grad_loss, indices, vals, weight, resid, gv, need_weight,
+                                     ctx.bias_dtype or resid.dtype)
+    if need_target:
+        gt = _target_grad(grad_loss, resid, resid.numel(), ctx.target_dtype)
+    return (None, gw if need_weight else None, gvals if need_vals else None, gb if need_bias else None, gt)
 
 
 @register_op("topk_sae_loss", fake=_topk_fake, reference=_topk_reference,
@@ -281,7 +295,7 @@ def topk_sae_loss(
         weight: ``[F, D]`` decoder dictionary.
         vals: ``[B, K]`` activations of the selected latents.
         bias: ``[D]`` decoder bias, or None.
-        target: ``[B, D]`` the input being reconstructed.
+        target: ``[B, D]`` the input being reconstructed (it gets a gradient if it requires one).
         deterministic: accepted for symmetry; this loss is always bit-reproducible (the weight
             gradient is a segmented sum, not atomics).
 
@@ -331,11 +345,15 @@ def _hier_backward(ctx, grad_loss, _grad_etot):
     if grad_loss is None:  # gradients are not materialised: nothing flows into the loss
         return None, None, None, None, None, None
     indices, weight, vals, bias, target, etot = ctx.saved_tensors
-    _, need_weight, need_vals, need_bias, _, _ = ctx.needs_input_grad
-    gvals, gw, gb = _hier_bwd_op(grad_loss, indices, weight, vals, bias, target, etot, need_weight,
-                                 ctx.deterministic)
+    _, need_weight, need_vals, need_bias, need_target, _ = ctx.needs_input_grad
+    gvals = gw = gb = gt = None
+    if need_weight or need_vals or need_bias:
+        gvals, gw, gb = _hier_bwd_op(grad_loss, indices, weight, vals, bias, target, etot, need_weight,
+                                     ctx.deterministic)
+    if need_target:
+        gt = _target_grad(grad_loss, etot, etot.numel() * indices.shape[1], target.dtype)
     return (None, gw if need_weight else None, gvals if need_vals else None,
-            gb.to(ctx.bias_dtype) if need_bias else None, None, None)
+            gb.to(ctx.bias_dtype) if need_bias else None, gt, None)
 
 
 def _hier_reference(indices, weight, vals, bias, target, deterministic):
@@ -391,19 +409,23 @@ def _hier_grads_setup(ctx, inputs, output):
     B, K = indices.shape
     F, D = weight.shape
     ctx.mode = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)[0]
-    ctx.dtypes = (F, weight.dtype, vals.dtype, None if bias is None else bias.dtype)
+    ctx.dtypes = (F, weight.dtype, vals.dtype, None if bias is None else bias.dtype, target.dtype)
 
 
 def _hier_grads_backward(ctx, grad_loss, _grad_etot, _grad_gv, _grad_stage):
     if grad_loss is None:
         return (None,) * 7
     indices, etot, gv, stage = ctx.saved_tensors
-    _, need_weight, need_vals, need_bias, _, _, _ = ctx.needs_input_grad
-    F, weight_dtype, vals_dtype, bias_dtype = ctx.dtypes
-    gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
-                                    ctx.mode if need_weight else 0)
+    _, need_weight, need_vals, need_bias, need_target, _, _ = ctx.needs_input_grad
+    F, weight_dtype, vals_dtype, bias_dtype, target_dtype = ctx.dtypes
+    gvals = gw = gb = gt = None
+    if need_weight or need_vals or need_bias:
+        gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
+                                        ctx.mode if need_weight else 0)
+    if need_target:
+        gt = _target_grad(grad_loss, etot, etot.numel() * indices.shape[1], target_dtype)
     return (None, gw if need_weight else None, gvals if need_vals else None,
-            gb.to(bias_dtype) if need_bias else None, None, None, None)
+            gb.to(bias_dtype) if need_bias else None, gt, None, None)
 
 
 @register_op("hierarchical_sae_loss_grads", fake=_hier_grads_fake, backward=_hier_grads_backward,
