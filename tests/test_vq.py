@@ -680,6 +680,35 @@ def test_nearest_code_bad_inputs():
         nearest_code(x, c[:0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("cosine", [False, True], ids=["l2", "cos"])
+def test_nearest_code_dist_is_differentiable(cosine, dtype):
+    """dist had no gradient on the kernel path (a commitment term built on it silently added
+    nothing) while the CPU reference recorded one. With x or the codebook requiring grad it is now
+    recomputed from the chosen codes: the same values up to rounding, and the float64 gradient of
+    the chosen distance. A zero row of x keeps the cosine distance 2."""
+    x, _, c, *_ = make(37, 11, 20)
+    x, c = x.to(dtype), c.to(dtype)
+    x[5] = 0
+    plain = nearest_code(x, c, cosine=cosine)
+    xg, cg = x.clone().requires_grad_(), c.clone().requires_grad_()
+    codes, dist = nearest_code(xg, cg, cosine=cosine)
+    assert torch.equal(codes, plain[0]) and dist.dtype == plain[1].dtype
+    assert_close(dist.detach(), plain[1], torch.float32 if dtype == torch.float16 else dtype, "dist")
+    w = torch.randn(37, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+    gx, gc = torch.autograd.grad((dist * w.to(dist.dtype)).sum(), (xg, cg))
+    x64, c64 = x.double().requires_grad_(), c.double().requires_grad_()
+    d = reference.sqdist_matrix(x64, c64, cosine).gather(1, codes[:, None])[:, 0]
+    if cosine:  # sqdist_matrix clamps at 0 and measures a zero row as 1; the search defines it as 2
+        assert dist[5].item() == 2
+    want_x, want_c = torch.autograd.grad((d * w).sum(), (x64, c64))
+    assert gx.dtype == dtype and gc.dtype == dtype
+    keep = torch.ones(37, dtype=torch.bool, device=x.device)
+    keep[5] = False  # the zero row: its cosine gradient is 0 (clamped norm) against the oracle's NaN
+    assert_close(gx[keep], want_x[keep], torch.float32 if dtype == torch.float16 else dtype, "grad_x", scale=50 if dtype == torch.float16 else 1)
+    assert_close(gc, want_c, torch.float32 if dtype == torch.float16 else dtype, "grad_codebook", scale=50 if dtype == torch.float16 else 1)
+
+
 # --- straight-through quantisation ------------------------------------------------------------------------
 
 
@@ -724,6 +753,10 @@ def test_quantize_gradcheck_opcheck_compile():
 
 def test_quantize_bad_inputs():
     x, codes, c, *_ = make(8, 5, 4)
+    with pytest.raises(ValueError, match="codebook requires grad, but quantize gives it none"):
+        quantize(x, codes, c.clone().requires_grad_())
+    with torch.no_grad():  # no gradient wanted: nothing to refuse
+        quantize(x, codes, c.clone().requires_grad_())
     with pytest.raises(ValueError, match="x has shape"):
         quantize(x[:, :2], codes, c)
     with pytest.raises(TypeError, match="codes has dtype int32"):

@@ -371,6 +371,11 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
 
     Extra memory O(B + K) for 16- and 32-bit inputs; float64 (x or the codebook) runs the
     brute-force reference, which builds the B x K distance matrix.
+
+    ``dist`` is differentiable in x and the codebook (a commitment term built on it gets its
+    gradient): when grad mode is on and either requires grad, it is recomputed from the chosen
+    codes with torch ops (``||x - c||^2``, or ``2 - 2 x.c / (|x| |c|)``), O(B * D); its last bits
+    may then differ from the search's. ``codes`` are not differentiable.
     """
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     K, D = codebook.shape
@@ -379,7 +384,22 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
         raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return _search_op(x, codebook, bool(cosine), precision)
+    codes, dist = _search_op(x, codebook, bool(cosine), precision)
+    if torch.is_grad_enabled() and (x.requires_grad or codebook.requires_grad):
+        dist = _chosen_dist(x, codebook, codes, cosine)
+    return codes, dist
+
+
+def _chosen_dist(x: Tensor, codebook: Tensor, codes: Tensor, cosine: bool) -> Tensor:
+    """``dist`` of :func:`nearest_code` recomputed with torch ops from the chosen codes, so that it is
+    differentiable in x and the codebook (O(B * D); the search kernel's value has no autograd
+    formula). Same arithmetic dtype, clamps and NaN behaviour as the search."""
+    dt = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    xf, c = x.to(dt), codebook[codes].to(dt)
+    if cosine:
+        c = c / c.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        return 2 - 2 * (xf * c).sum(1) / xf.norm(dim=1).clamp_min(1e-12)
+    return (xf - c).square().sum(1)
 
 
 # --- straight-through quantisation + commitment loss ---------------------------------------------------------
@@ -430,7 +450,8 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     unchanged, and ``loss = beta * mean((x - sg(out))^2)`` (float32; float64 for float64 inputs),
     computed from ``out`` as returned (the codebook rows rounded to x's dtype), so the backward is
     its exact derivative. One kernel forward (gather + squared error), one backward
-    (``grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - out)``); the codebook gets no gradient.
+    (``grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - out)``); the codebook gets no gradient
+    (one that requires grad, with grad mode on, raises ``ValueError``: pass it detached).
     ``codes [B]`` int64 in ``[0, K)`` (from :func:`nearest_code`): one outside raises ``IndexError``
     where index checks are on (see ``sparsefuse.set_index_checks``); unchecked, its row of ``out``
     and of ``grad_x``, and the loss, are NaN.
@@ -438,6 +459,11 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("x", x, shape=(None, codebook.shape[1]), dtypes=FLOAT_DTYPES, device=codebook.device)
     check_tensor("codes", codes, shape=(x.shape[0],), dtypes=(torch.int64,), device=codebook.device)
+    if codebook.requires_grad and torch.is_grad_enabled():
+        raise ValueError("codebook requires grad, but quantize gives it none (out's gradient goes straight through "
+                         "to x; an EMA codebook is updated by vq_ema_update): pass codebook.detach(), and for a "
+                         "codebook learned by gradient add a codebook loss such as "
+                         "F.mse_loss(codebook[codes], x.detach())")
     if not plain_eager((x, codes, codebook)):
         return _quantize_op(x, codes, codebook.detach(), float(beta))
     return _Quantize.apply(x, codes, codebook.detach(), float(beta))
