@@ -155,9 +155,10 @@ def plain_eager(args) -> bool:
 def refuse_transforms(args, *, functorch_ok: bool = True) -> bool:
     """Raise ``NotImplementedError`` where an argument would need a derivative rule these ops do not
     have: forward-mode AD (:func:`_refuse_forward_ad`), and functorch's reverse-mode transforms
-    (``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``) over an argument that requires grad
-    there. Their autograd formulas are registered for ``torch.autograd``, which functorch does not
-    use for custom ops, so PyTorch itself failed with a message about ``setup_context``.
+    (``torch.func.grad``, ``vjp``, ``jacrev``) over an argument the transform differentiates (one
+    it wraps that requires grad; a captured ``nn.Parameter`` is not one). Their autograd formulas
+    are registered for ``torch.autograd``, which functorch does not use for custom ops, so PyTorch
+    itself failed with a message about ``setup_context``.
     ``torch.vmap`` alone passes (the registered ops run per sample). ``functorch_ok=False`` (callers
     whose own ``autograd.Function`` has no functorch support) refuses every functorch transform.
     Returns whether a functorch transform is active; False, checking nothing, while
@@ -170,8 +171,9 @@ def refuse_transforms(args, *, functorch_ok: bool = True) -> bool:
         if not functorch_ok:
             raise NotImplementedError(_NO_FUNCTORCH)
         grad = torch._C._functorch.TransformType.Grad
+        level = torch._C._functorch.maybe_get_level  # -1 for a tensor no transform wraps (a captured Parameter)
         if torch.is_grad_enabled() and any(i.key() == grad for i in torch._C._functorch.get_interpreter_stack()) \
-                and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                and any(isinstance(a, torch.Tensor) and a.requires_grad and level(a) != -1 for a in args):
             raise NotImplementedError(_NO_FUNCTORCH_GRAD)
     elif _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
         _refuse_forward_ad(args, functorch=False)

@@ -602,6 +602,7 @@ def _reverse_cases():
         "sparse_linear": (lambda ww: sparsefuse.sparse_linear(x, ww, idx).square().sum(), w),
         "quantize": (lambda xx: sparsefuse.vq.quantize(xx, codes, w)[0].square().sum()
                      + sparsefuse.vq.quantize(xx, codes, w)[1], x),
+        "nearest_code": (lambda xx: sparsefuse.nearest_code(xx, w, cosine=True)[1].square().sum(), x),
         "topk_kd_loss": (lambda z: sparsefuse.topk_kd_loss(z, t), r(3, 2)),
         "topk_kd_loss_from_logits": (lambda z: sparsefuse.topk_kd_loss_from_logits(z, idx, t), logits),
         "topk_kd_loss_from_hidden": (lambda ww: sparsefuse.topk_kd_loss_from_hidden(hidden, ww, idx, t), w),
@@ -652,6 +653,9 @@ def test_functorch_reverse_mode_is_refused(op):
             torch.vmap(fn)(batch)
     else:
         torch.testing.assert_close(torch.func.grad(lambda ss: ss * fn(primal))(s), fn(primal))
+        # a captured parameter requires grad, but not at the transform's level: it runs too
+        param = torch.nn.Parameter(primal.clone())
+        torch.testing.assert_close(torch.func.grad(lambda ss: ss * fn(param))(s), fn(primal))
         torch.testing.assert_close(torch.vmap(fn)(batch), torch.stack([fn(primal), fn(2 * primal)]))
 
 

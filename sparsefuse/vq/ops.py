@@ -338,7 +338,49 @@ def _search_kernel(x, codebook, cosine, precision):
     return kernels.nearest_code(x, codebook, cosine, precision)
 
 
-@register_op("nearest_code", fake=_search_fake, reference=_search_reference)
+def _search_setup(ctx, inputs, output):
+    x, codebook, cosine, _precision = inputs
+    codes, _dist = output
+    ctx.mark_non_differentiable(codes)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, codebook, codes)
+    ctx.cosine = cosine
+
+
+def _search_backward(ctx, _grad_codes, grad_dist):
+    """Gradient of ``dist`` (the chosen code's distance) for x and the codebook; ``codes`` have none.
+
+    Euclidean: ``d dist / dx = 2 (x - c)`` and ``-2 (x - c)`` for the chosen row ``c``. Cosine,
+    ``dist = 2 - 2 cos`` with ``cos = x.c / (|x| |c|)``: ``d dist / dx = -2 (c^ - cos x^) / |x|`` and
+    ``d dist / dc = -2 (x^ - cos c^) / |c|`` (``^`` unit vectors); a row of x or a code of norm
+    at most 1e-12 (the search's clamp: its dist is 2) gets 0 there rather than a 1e12-sized step."""
+    x, codebook, codes = ctx.saved_tensors
+    need_x, need_c = ctx.needs_input_grad[:2]
+    if grad_dist is None:
+        return None, None, None, None
+    dt = grad_dist.dtype
+    xf, c = x.to(dt), codebook[codes].to(dt)
+    g = grad_dist[:, None]
+    if ctx.cosine:
+        nx, nc = xf.norm(dim=1, keepdim=True), c.norm(dim=1, keepdim=True)
+        ok = (nx > 1e-12) & (nc > 1e-12)
+        nx, nc = torch.where(ok, nx, 1), torch.where(ok, nc, 1)
+        xu, cu = xf / nx, c / nc
+        cos = (xu * cu).sum(1, keepdim=True)
+        gx = torch.where(ok, -2 * g * (cu - cos * xu) / nx, 0)
+        gc = torch.where(ok, -2 * g * (xu - cos * cu) / nc, 0)
+    else:
+        gx = 2 * g * (xf - c)
+        gc = -gx
+    grad_x = gx.to(x.dtype) if need_x else None
+    grad_c = None
+    if need_c:
+        grad_c = torch.zeros(codebook.shape, device=gc.device, dtype=dt).index_add_(0, codes, gc).to(codebook.dtype)
+    return grad_x, grad_c, None, None
+
+
+@register_op("nearest_code", fake=_search_fake, reference=_search_reference, backward=_search_backward,
+             setup_context=_search_setup)
 def _search_op(x: Tensor, codebook: Tensor, cosine: bool, precision: str) -> tuple[Tensor, Tensor]:
     return _search_kernel(x, codebook, cosine, precision)
 
@@ -373,9 +415,9 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     brute-force reference, which builds the B x K distance matrix.
 
     ``dist`` is differentiable in x and the codebook (a commitment term built on it gets its
-    gradient): when grad mode is on and either requires grad, it is recomputed from the chosen
-    codes with torch ops (``||x - c||^2``, or ``2 - 2 x.c / (|x| |c|)``), O(B * D); its last bits
-    may then differ from the search's. ``codes`` are not differentiable.
+    gradient): the backward computes the derivative of the chosen code's distance from the saved
+    x, codebook and codes, O(B * D) (see ``_search_backward``); the forward is the same search
+    either way. ``codes`` are not differentiable.
     """
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     K, D = codebook.shape
@@ -384,22 +426,7 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
         raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    codes, dist = _search_op(x, codebook, bool(cosine), precision)
-    if torch.is_grad_enabled() and (x.requires_grad or codebook.requires_grad):
-        dist = _chosen_dist(x, codebook, codes, cosine)
-    return codes, dist
-
-
-def _chosen_dist(x: Tensor, codebook: Tensor, codes: Tensor, cosine: bool) -> Tensor:
-    """``dist`` of :func:`nearest_code` recomputed with torch ops from the chosen codes, so that it is
-    differentiable in x and the codebook (O(B * D); the search kernel's value has no autograd
-    formula). Same arithmetic dtype, clamps and NaN behaviour as the search."""
-    dt = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
-    xf, c = x.to(dt), codebook[codes].to(dt)
-    if cosine:
-        c = c / c.norm(dim=1, keepdim=True).clamp_min(1e-12)
-        return 2 - 2 * (xf * c).sum(1) / xf.norm(dim=1).clamp_min(1e-12)
-    return (xf - c).square().sum(1)
+    return _search_op(x, codebook, bool(cosine), precision)
 
 
 # --- straight-through quantisation + commitment loss ---------------------------------------------------------
@@ -451,7 +478,8 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     computed from ``out`` as returned (the codebook rows rounded to x's dtype), so the backward is
     its exact derivative. One kernel forward (gather + squared error), one backward
     (``grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - out)``); the codebook gets no gradient
-    (one that requires grad, with grad mode on, raises ``ValueError``: pass it detached).
+    (straight-through: out's gradient goes to x; a codebook learned by gradient needs its own loss,
+    such as ``F.mse_loss(codebook[codes], x.detach())``).
     ``codes [B]`` int64 in ``[0, K)`` (from :func:`nearest_code`): one outside raises ``IndexError``
     where index checks are on (see ``sparsefuse.set_index_checks``); unchecked, its row of ``out``
     and of ``grad_x``, and the loss, are NaN.
@@ -459,11 +487,6 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("x", x, shape=(None, codebook.shape[1]), dtypes=FLOAT_DTYPES, device=codebook.device)
     check_tensor("codes", codes, shape=(x.shape[0],), dtypes=(torch.int64,), device=codebook.device)
-    if codebook.requires_grad and torch.is_grad_enabled():
-        raise ValueError("codebook requires grad, but quantize gives it none (out's gradient goes straight through "
-                         "to x; an EMA codebook is updated by vq_ema_update): pass codebook.detach(), and for a "
-                         "codebook learned by gradient add a codebook loss such as "
-                         "F.mse_loss(codebook[codes], x.detach())")
     if not plain_eager((x, codes, codebook)):
         return _quantize_op(x, codes, codebook.detach(), float(beta))
     return _Quantize.apply(x, codes, codebook.detach(), float(beta))
