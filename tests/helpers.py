@@ -37,6 +37,20 @@ def copy_strided(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
 
 
+def assert_compile_parity(step, inputs, *, rtol=1e-5, atol=1e-7, value_rtol=1e-6, value_atol=None):
+    """``step(*inputs)`` (a scalar) and the gradients of every input match between eager mode and
+    ``torch.compile(step, fullgraph=True)``; each side runs on its own copies of ``inputs``."""
+    eager = [t.detach().clone().requires_grad_() for t in inputs]
+    comp = [t.detach().clone().requires_grad_() for t in inputs]
+    torch._dynamo.reset()
+    le, lc = step(*eager), torch.compile(step, fullgraph=True)(*comp)
+    le.backward()
+    lc.backward()
+    torch.testing.assert_close(lc, le, rtol=value_rtol, atol=atol if value_atol is None else value_atol)
+    for a, b in zip(comp, eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol)
+
+
 def need_gpu_memory(gib: float) -> None:
     """Skip the calling test without ``gib`` GiB of free GPU memory, counting what PyTorch's
     allocator holds but does not use (the large-tensor tests of the GPU tier)."""

@@ -17,7 +17,7 @@ import sparsefuse
 from sparsefuse import compat
 from sparsefuse.sae import reference as ref
 
-from helpers import DEVICE, TOL, assert_close, copy_strided
+from helpers import DEVICE, TOL, assert_close, assert_compile_parity, copy_strided
 
 OPS = {
     "decode": (lambda i, w, v, b, t: sparsefuse.sae_decode(i, v, w, b), lambda i, w, v, b, t: ref.sae_decode(i, v, w, b)),
@@ -568,16 +568,7 @@ def test_torch_compile_fullgraph_parity(op, layout):
         out = fn(idx, w, v, b, target)
         return out.square().sum() if out.dim() else out
 
-    eager = [t.detach().clone().requires_grad_() for t in (weight, vals, bias)]
-    comp = [t.detach().clone().requires_grad_() for t in (weight, vals, bias)]
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True)
-    le, lc = step(*eager), compiled(*comp)
-    le.backward()
-    lc.backward()
-    torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-7)
-    for a, b in zip(comp, eager):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    assert_compile_parity(step, (weight, vals, bias))
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -995,13 +986,4 @@ def test_gradcheck_fp64_with_target(op):
 @pytest.mark.parametrize("op", list(LOSSES))
 def test_torch_compile_fullgraph_parity_with_target(op):
     idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
-    step = lambda w, v, b, t: LOSSES[op](idx, w, v, b, t)  # noqa: E731
-    eager = [t.detach().clone().requires_grad_() for t in (weight, vals, bias, target)]
-    comp = [t.detach().clone().requires_grad_() for t in (weight, vals, bias, target)]
-    torch._dynamo.reset()
-    le, lc = step(*eager), torch.compile(step, fullgraph=True)(*comp)
-    le.backward()
-    lc.backward()
-    torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-7)
-    for a, b in zip(comp, eager):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    assert_compile_parity(lambda w, v, b, t: LOSSES[op](idx, w, v, b, t), (weight, vals, bias, target))

@@ -10,7 +10,7 @@ import torch
 import sparsefuse
 from sparsefuse.sae import reference as ref
 
-from helpers import DEVICE, assert_close, copy_strided
+from helpers import DEVICE, assert_close, assert_compile_parity, copy_strided
 
 SHAPES = [  # (B, K, F, D); K = 50 > F = 5 repeats latents within a row
     pytest.param(1, 1, 5, 1, id="B1-K1-F5-D1"),
@@ -201,15 +201,7 @@ def test_torch_compile_fullgraph_parity():
     def step(x, w, b, s):
         return sparsefuse.sparse_linear(x, w, idx, b, s).square().sum()
 
-    eager = [t.clone().requires_grad_() for t in (x, weight, bias, shift)]
-    comp = [t.clone().requires_grad_() for t in (x, weight, bias, shift)]
-    torch._dynamo.reset()
-    le, lc = step(*eager), torch.compile(step, fullgraph=True)(*comp)
-    le.backward()
-    lc.backward()
-    torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-6)
-    for a, b in zip(comp, eager):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert_compile_parity(step, (x, weight, bias, shift), atol=1e-6)
 
 
 # --- bad input -----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparsefuse
-from helpers import DEVICE, TOL, assert_close, need_gpu_memory
+from helpers import DEVICE, TOL, assert_close, assert_compile_parity, need_gpu_memory
 from sparsefuse.compat import ema_update as compat_ema_update
 from sparsefuse.vq import (ResidualVQ, VectorQuantizer, batch_statistics, nearest_code, quantize, reference,
                            vq_ema_update)
@@ -724,14 +724,7 @@ def test_nearest_code_gradient_registration_and_compile(cosine):
     torch.library.opcheck(torch.ops.sparsefuse.nearest_code.default,
                           (x.clone().requires_grad_(), c.clone().requires_grad_(), cosine, "exact"),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    step = lambda xx, cc: nearest_code(xx, cc, cosine=cosine)[1].square().sum()  # noqa: E731
-    eager = [t.clone().requires_grad_() for t in (x, c)]
-    comp = [t.clone().requires_grad_() for t in (x, c)]
-    torch._dynamo.reset()
-    want = torch.autograd.grad(step(*eager), eager)
-    got = torch.autograd.grad(torch.compile(step, fullgraph=True)(*comp), comp)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_compile_parity(lambda xx, cc: nearest_code(xx, cc, cosine=cosine)[1].square().sum(), (x, c), atol=1e-6)
 
 
 # --- straight-through quantisation ------------------------------------------------------------------------
