@@ -716,6 +716,22 @@ def test_nearest_code_dist_is_differentiable(cosine, dtype):
         assert torch.isfinite(g0).all() and g0.abs().max() < 1e3
 
 
+def test_nearest_code_dist_after_an_in_place_codebook_update():
+    """The backward of dist reads the saved codebook: an EMA-style in-place update before it raises
+    PyTorch's in-place error instead of differentiating against moved codes; a backward that does not
+    reach dist (the usual codes-only search) is unaffected."""
+    x, codes0, c, *_ = make(8, 5, 4)
+    z = x.clone().requires_grad_()
+    codes, dist = nearest_code(z, c)
+    out, loss = quantize(z, codes, c)
+    c.mul_(0.5)
+    (out.sum() + loss).backward()
+    codes, dist = nearest_code(z, c)
+    c.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        dist.sum().backward()
+
+
 @pytest.mark.parametrize("cosine", [False, True], ids=["l2", "cos"])
 def test_nearest_code_gradient_registration_and_compile(cosine):
     """opcheck with inputs that require grad (its AOT test sums the int64 codes into a float and

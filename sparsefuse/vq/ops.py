@@ -417,7 +417,10 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     ``dist`` is differentiable in x and the codebook (a commitment term built on it gets its
     gradient): the backward computes the derivative of the chosen code's distance from the saved
     x, codebook and codes, O(B * D) (see ``_search_backward``); the forward is the same search
-    either way. ``codes`` are not differentiable.
+    either way. ``codes`` are not differentiable. Because the codebook is saved, updating it in
+    place (``vq_ema_update``) before a backward that differentiates ``dist`` raises PyTorch's
+    in-place error; a backward that does not reach ``dist`` (``codes, _ = nearest_code(...)``) is
+    unaffected, and ``nearest_code(x, codebook.clone())`` keeps a ``dist`` loss valid across the update.
     """
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     K, D = codebook.shape
