@@ -181,7 +181,7 @@ def refuse_transforms(args, *, functorch_ok: bool = True) -> bool:
 
 
 _NO_FUNCTORCH_GRAD = ("sparsefuse ops do not support functorch's reverse-mode transforms (torch.func.grad, vjp, "
-                      "jacrev, hessian); differentiate with torch.autograd (loss.backward(), torch.autograd.grad)")
+                      "jacrev); differentiate with torch.autograd (loss.backward(), torch.autograd.grad)")
 _NO_FUNCTORCH = ("this sparsefuse function does not run under functorch transforms (torch.func.grad, vjp, jacrev, "
                  "vmap); call it outside the transform and differentiate with torch.autograd")
 _NO_SECOND_DERIVATIVE = ("sparsefuse ops have no second derivative, so their backward cannot run with "
