@@ -167,18 +167,19 @@ HIER_FUSED_CASES = [  # (weight dtype, deterministic, what requires grad, fused 
     pytest.param(torch.float16, False, ("weight", "vals", "bias"), True, id="fp16-buffer-converted"),
     pytest.param(torch.float32, True, ("weight", "vals", "bias"), True, id="fp32-deterministic-staged"),
     pytest.param(torch.float32, False, ("vals", "bias"), True, id="fp32-frozen-decoder"),
-    pytest.param(torch.float32, False, ("weight", "vals", "bias"), False, id="fp32-atomics-two-passes"),
+    pytest.param(torch.float32, False, ("weight", "vals", "bias"), True, id="fp32-atomics-in-place"),
     pytest.param(torch.float32, False, ("bias",), False, id="fp32-bias-only"),
     pytest.param(torch.float32, False, (), False, id="fp32-nothing-requires-grad"),
 ]
 
 
+@pytest.mark.parametrize("g", [1.0, -1.5], ids=["g=1", "g=-1.5"])
 @pytest.mark.parametrize("dtype,deterministic,wanted,fused", HIER_FUSED_CASES)
-def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, monkeypatch):
+def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, g, monkeypatch):
     """The forward runs the backward's sweep too (one launch, no separate forward kernel) exactly
-    when a gradient is wanted and the backward has a pass that can scale it; the results match the
-    fp64 reference either way, through a second backward of the same graph and with an incoming
-    gradient other than 1."""
+    when a gradient is wanted and the backward can apply the incoming gradient g; the results match
+    the fp64 reference either way, with g = 1 (which the fp32 atomic path leaves as it is) and
+    another g, and through a second backward of the same graph."""
     from sparsefuse.sae import kernels
 
     idx, weight, vals, bias, target = make(37, 5, 11, 100, dtype)
@@ -188,24 +189,45 @@ def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, monkeyp
         ours[k].requires_grad_()
         theirs[k].requires_grad_()
     launches = _spy_launches(monkeypatch)
-    loss = sparsefuse.hierarchical_sae_loss(idx, **ours, target=target, deterministic=deterministic) * -1.5
+    loss = sparsefuse.hierarchical_sae_loss(idx, **ours, target=target, deterministic=deterministic) * g
     fwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_fwd_kernel]
     bwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_bwd_kernel]
     assert (len(fwd), len(bwd)) == ((0, 1) if fused else (1, 0))
 
-    want = ref.hierarchical_sae_loss(idx, **theirs, target=target.double()) * -1.5
+    want = ref.hierarchical_sae_loss(idx, **theirs, target=target.double()) * g
     assert_close(loss, want, dtype, "value")
     if not wanted:
         return
     first = torch.autograd.grad(loss, [ours[k] for k in wanted], retain_graph=True)
+    del launches[:]
     again = torch.autograd.grad(loss, [ours[k] for k in wanted])
+    # the fp32 atomic path hands its buffer out as the first weight gradient, so the second
+    # backward re-runs the split one; every other fused path only rescales what the forward left
+    split = dtype == torch.float32 and not deterministic and "weight" in wanted
+    assert sum(fn is kernels._hierarchical_sae_bwd_kernel for fn, _ in launches) == (not fused or split)
     for name, a, b, w in zip(wanted, first, again, torch.autograd.grad(want, [theirs[k] for k in wanted])):
-        if fused:  # the second backward only rescales what the forward left (the split one re-runs atomics)
+        # on CPU (one program at a time) the split path sums in the fused one's order, and for g = 1
+        # with the same scale, c, bit for bit
+        if (fused and not split) or (split and g == 1.0 and DEVICE == "cpu"):
             assert torch.equal(a, b), name
         else:
             assert_close(a, b, dtype, f"second grad_{name}")
         assert_close(a, w, dtype, f"grad_{name}")
         assert a.dtype == dtype
+
+
+def test_hierarchical_in_place_gradient_is_handed_out_once():
+    """fp32 on the atomic path: the first backward returns the forward's buffer as the weight
+    gradient; changing that gradient afterwards (an optimiser zeroing it) must not leak into a
+    second backward of the same graph."""
+    idx, weight, vals, bias, target = make(6, 3, 7, 20, torch.float32)
+    w = weight.clone().requires_grad_()
+    loss = sparsefuse.hierarchical_sae_loss(idx, w, vals, bias, target)
+    g1 = torch.autograd.grad(loss, [w], retain_graph=True)[0]
+    want = g1.clone()
+    g1.fill_(123.0)
+    g2 = torch.autograd.grad(loss, [w])[0]
+    assert_close(g2, want, torch.float32, "second grad_weight")
 
 
 @pytest.mark.parametrize("op", list(OPS))

@@ -348,8 +348,9 @@ def _hierarchical_sae_bwd_kernel(
     FUSED: the loss's forward and backward in one launch, for when the gradient is wanted. The
     program first sweeps the latents as ``_hierarchical_sae_fwd_kernel`` does (loss partials and E_0
     out), then runs the sweep below over the same rows, which its first sweep left in L1 / L2. The
-    incoming gradient is not known yet, so everything stays unscaled (g = 1, c = 1): gv and the
-    weight-gradient rows get g * c from the pass that finishes them (``hierarchical_grads_finish``)."""
+    incoming gradient g is not known yet, so the sweep runs as the split backward would for g = 1
+    (c = 2 / (B K D) computed here, bit for bit the host's), and the pass that finishes the
+    gradients (``hierarchical_grads_finish``) multiplies by g."""
     i_b = tl.program_id(0).to(tl.int64)
     i_t = T0 + tl.program_id(1)
     o_b = i_b + tl.arange(0, 1)  # the row as a 1-vector, for the helpers shared with the forward
@@ -360,13 +361,13 @@ def _hierarchical_sae_bwd_kernel(
     if FUSED:
         b_s = _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d,
                                        m_bd, B, K, D, F, stride_wf, stride_wd, ACC)  # E_0
-        gc = tl.full([], 1.0, ACC)
-        gs = gc
+        # g = 1: c = 2 / (B K D) in float64 and rounded to ACC, the value the split backward gets from the host
+        gc = (2.0 / (tl.full([], 1.0, tl.float64) * B * K * D)).to(ACC)
     else:
+        b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0)
         gc = tl.load(g_ptr).to(ACC)
-        gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
-        b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs
-    b_s = tl.sum(b_s, axis=0)  # [BLOCK_D] s E_j, from j = 0
+    gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
+    b_s = tl.sum(b_s * gs, axis=0)  # [BLOCK_D] s E_j, from j = 0
     b_e = tl.sum(b_off, axis=0) * gs  # [BLOCK_D] s e_{j-1}, from j = 0
     for i_k in range(0, K, CHUNK):
         o_k = i_k + tl.arange(0, CHUNK)
@@ -494,11 +495,16 @@ def _scale_cast_kernel(
     N,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
+    SKIP_ONE: tl.constexpr,  # in place (dst is src): g = 1 leaves it as it is
 ):
-    """dst = g * src, converted to dst's dtype on the store: one read and one write."""
+    """dst = g * src, converted to dst's dtype on the store: one read and one write, or, with
+    SKIP_ONE and g = 1, one scalar load a program (decided on the device: no host sync)."""
+    gs = tl.load(g_ptr).to(ACC)
+    if SKIP_ONE:
+        if gs == 1:
+            return
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < N
-    gs = tl.load(g_ptr).to(ACC)
     tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
 
 
@@ -829,18 +835,25 @@ def hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
     return mode, chunk, n_tiles
 
 
-def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, deterministic) -> bool:
+def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, deterministic, in_place) -> bool:
     """Whether the forward may run the backward's sweep too (``hierarchical_loss_fwd_grads``).
 
-    It leaves every gradient unscaled, so it pays off only where the backward has a pass that can
-    apply g * c on the way: the gv [B, K] scaling, the conversion of a 16-bit weight's fp32
-    buffer, or the segmented sum of staged rows in one column chunk. Weights in the accumulation
-    dtype on the atomic path (fp32, and fp64) have none: their atomics land in the output, and
-    scaling it would cost a read and a write of F x D and a second F x D buffer, more than the
-    forward sweep it saves. fp32 weights with an fp64 input do have one (their fp64 buffer is
-    converted), so they fuse."""
+    That sweep runs for an incoming gradient g = 1, so it pays off where the backward can apply the
+    real g on the way: the gv [B, K] scaling, the conversion of a 16-bit weight's fp32 buffer, or
+    the segmented sum of staged rows in one column chunk. Weights in the accumulation dtype on the
+    atomic path (fp32, and fp64) have no such pass: their atomics land in the output. They fuse
+    only ``in_place`` (plain eager: the backward may hand out the buffer it was given, see
+    :func:`hierarchical_grads_finish`), where g = 1 costs nothing and any other g one read and one
+    write of F x D (a traced backward could not alias, and would need a second F x D buffer). fp32
+    weights with an fp64 input have the conversion pass, so they fuse."""
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
-    return chunk >= n_tiles and not (mode == 1 and weight_dtype == acc)
+    return chunk >= n_tiles and (in_place or not hierarchical_in_place(mode, weight_dtype, acc))
+
+
+def hierarchical_in_place(mode, weight_dtype, acc) -> bool:
+    """Whether the fused forward's F x D buffer is the weight gradient itself (fp32 / fp64 weights on
+    the atomic path), so that its backward finishes it in place."""
+    return mode == 1 and weight_dtype == acc
 
 
 def hierarchical_gv_tiles(D, weight_dtype, deterministic) -> int:
@@ -852,18 +865,20 @@ def hierarchical_gv_tiles(D, weight_dtype, deterministic) -> int:
 
 
 def hierarchical_stage_shape(B, K, F, D, weight_dtype, acc, mode):
-    """(shape, dtype) of the unscaled weight-gradient data the fused forward hands the backward."""
+    """(shape, dtype) of the weight-gradient data the fused forward hands the backward."""
     return {0: ((0,), acc), 1: ((F, D), acc), 2: ((B * K, D), acc), 3: ((B * K, D), weight_dtype)}[mode]
 
 
 def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight_grad, deterministic):
-    """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss and its unscaled gradients in
-    one launch (``FUSED`` sweep); :func:`hierarchical_grads_finish` applies the incoming gradient.
+    """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss, and its gradients for an
+    incoming gradient of 1, in one launch (``FUSED`` sweep); :func:`hierarchical_grads_finish`
+    applies the real one.
 
     gv holds T per-tile partials when ``deterministic``, else T = 1 (atomics); see
     :func:`hierarchical_gv_tiles`.
-    ``stage`` is mode 1's F x D ACC buffer, modes 2 and 3's [B * K, D] rows v_j E_j, or empty (mode
-    0; see :func:`hierarchical_plan`)."""
+    ``stage`` is mode 1's F x D ACC buffer (scaled by c), mode 2's [B * K, D] rows c v_j E_j, mode
+    3's rows v_j E_j (unscaled: bf16 would lose small ones), or empty (mode 0; see
+    :func:`hierarchical_plan`)."""
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
@@ -889,27 +904,34 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     return row_loss.sum() / (B * K * D), etot, gv, stage
 
 
-def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
+def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode,
+                              in_place=False):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC) from the fused
-    forward's unscaled results, scaled by g * c (g = grad_loss, a device scalar: no host sync).
-    Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged)."""
+    forward's results (see :func:`hierarchical_loss_fwd_grads`), scaled by g = grad_loss (a device
+    scalar: no host sync).
+
+    Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged), except
+    ``in_place`` (mode 1 with the buffer in the weight's dtype, :func:`hierarchical_in_place`): then
+    ``stage`` is scaled in place and returned as the weight gradient, untouched when g = 1, and the
+    caller must not finish it again."""
     B, D = etot.shape
     K = gv.shape[-1]
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(etot.dtype)
     gc = g * c
     grad_bias = etot.sum(0).mul_(gc)
-    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(gc).to(vals_dtype)  # gv has >= 1 slot
+    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(g).to(vals_dtype)  # gv has >= 1 slot
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
-        grad_weight = torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
+        grad_weight = stage if in_place else torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
         n, block = stage.numel(), 1024 if INTERPRET else 4096
         if n:
-            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, gc, n,
-                    ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
-    else:
-        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
+            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, g, n,
+                    ACC=_tl_dtype(etot.dtype), BLOCK=block, SKIP_ONE=in_place, num_warps=8)
+    else:  # mode 2's rows carry c already, mode 3's do not
+        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=g if mode == 2 else gc,
+                                  row_per_entry=True)
     return grad_vals, grad_weight, grad_bias
 
 

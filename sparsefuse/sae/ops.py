@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._registry import INTERPRET, register_op
+from .._registry import INTERPRET, plain_eager, register_op
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from . import kernels, reference
 
@@ -368,9 +368,9 @@ def _hier_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tenso
     return kernels.hierarchical_loss_fwd(indices, weight, vals, bias, target)
 
 
-# When the loss is computed for a backward that its forward can run ahead of (16-bit weights,
-# deterministic mode, a frozen decoder: see kernels.hierarchical_fusable), one launch sweeps the
-# latents twice and leaves the gradients unscaled for the backward to finish. These two ops have no
+# When the loss is computed for a backward that its forward can run ahead of (see
+# kernels.hierarchical_fusable), one launch sweeps the latents twice and leaves the gradients for an
+# incoming gradient of 1, which the backward multiplies by the real one. These two ops have no
 # CPU reference: hierarchical_sae_loss only takes them where the kernels run (CUDA, or CPU under
 # the Triton interpreter); elsewhere it uses the two ops above, whose reference is exact.
 
@@ -405,23 +405,44 @@ def _hier_grads_setup(ctx, inputs, output):
     _, etot, gv, stage = output
     ctx.mark_non_differentiable(etot, gv, stage)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(indices, etot, gv, stage)  # not weight: its values are not needed again
     B, K = indices.shape
     F, D = weight.shape
     ctx.mode = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)[0]
     ctx.dtypes = (F, weight.dtype, vals.dtype, None if bias is None else bias.dtype, target.dtype)
+    # fp32 / fp64 weights on the atomic path: the backward scales ``stage`` in place and hands it
+    # out as the weight gradient, once; any later backward of this graph (retain_graph), or one
+    # being traced, runs the split backward from the saved inputs instead. ``stage`` is kept out
+    # of the saved tensors, whose version checks would refuse that later backward once the
+    # gradient handed out has been changed in place (clipped, projected, zeroed).
+    ctx.in_place = kernels.hierarchical_in_place(ctx.mode, weight.dtype, etot.dtype) and plain_eager(inputs)
+    ctx.deterministic = deterministic
+    if ctx.in_place:
+        ctx.stage = stage
+        ctx.save_for_backward(indices, etot, gv, weight, vals, bias, target)
+    else:  # not weight: its values are not needed again
+        ctx.save_for_backward(indices, etot, gv, stage)
 
 
 def _hier_grads_backward(ctx, grad_loss, _grad_etot, _grad_gv, _grad_stage):
     if grad_loss is None:
         return (None,) * 7
-    indices, etot, gv, stage = ctx.saved_tensors
+    if ctx.in_place:
+        indices, etot, gv, *inputs = ctx.saved_tensors
+        stage, ctx.stage = ctx.stage, None  # handed out at most once
+    else:
+        indices, etot, gv, stage = ctx.saved_tensors
     _, need_weight, need_vals, need_bias, need_target, _, _ = ctx.needs_input_grad
     F, weight_dtype, vals_dtype, bias_dtype, target_dtype = ctx.dtypes
     gvals = gw = gb = gt = None
     if need_weight or need_vals or need_bias:
-        gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
-                                        ctx.mode if need_weight else 0)
+        if ctx.in_place and (stage is None or not plain_eager((grad_loss,))):
+            gvals, gw, gb = _hier_bwd_op(grad_loss, indices, *inputs, etot, need_weight, ctx.deterministic)
+        elif ctx.in_place:
+            gvals, gw, gb = kernels.hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, F, weight_dtype,
+                                                              vals_dtype, ctx.mode if need_weight else 0, in_place=True)
+        else:
+            gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
+                                            ctx.mode if need_weight else 0)
     if need_target:
         gt = _target_grad(grad_loss, etot, etot.numel() * indices.shape[1], target_dtype)
     return (None, gw if need_weight else None, gvals if need_vals else None,
@@ -432,20 +453,22 @@ def _hier_grads_backward(ctx, grad_loss, _grad_etot, _grad_gv, _grad_stage):
              setup_context=_hier_grads_setup)
 def _hier_grads_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
                    need_weight_grad: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, etot, gv, stage): the loss with its gradients, unscaled (kernels.hierarchical_loss_fwd_grads)."""
+    """(loss, etot, gv, stage): the loss with its gradients for g = 1 (kernels.hierarchical_loss_fwd_grads)."""
     return kernels.hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight_grad, deterministic)
 
 
 def _fuse_hierarchical(indices, weight, vals, bias, target, deterministic) -> bool:
     """Whether this call takes the fused forward: a gradient will be wanted, the kernels run (CUDA, or
-    the Triton interpreter), and the backward has a pass that can apply g * c."""
+    the Triton interpreter), and the backward can apply the incoming gradient (in place only in
+    plain eager mode: see kernels.hierarchical_fusable)."""
     if not (torch.is_grad_enabled() and (weight.requires_grad or vals.requires_grad)):
         return False
     if not (weight.is_cuda or INTERPRET):
         return False
     (B, K), (F, D) = indices.shape, weight.shape
     return kernels.hierarchical_fusable(B, K, F, D, weight.dtype, reference.acc_dtype(weight, vals, bias, target),
-                                        weight.requires_grad, deterministic)
+                                        weight.requires_grad, deterministic,
+                                        plain_eager((indices, weight, vals, bias, target)))
 
 
 def hierarchical_sae_loss(
@@ -469,15 +492,19 @@ def hierarchical_sae_loss(
     bytes of an F x D fp32 buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D fp32 buffer and
     converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
 
-    When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
-    has a pass that can apply the incoming gradient (16-bit weights, deterministic mode when the
-    staged rows fit in one column chunk, or a frozen decoder), the forward runs the backward's
-    sweep as well, in the same launch, and hands the backward unscaled gradients: the decoder rows
-    come from DRAM once per step instead of twice (the second sweep finds them in L1 / L2). The
-    weight-gradient buffer (or the staged rows: B*K*D floats in deterministic fp32) is then held
-    from the forward to the backward, so several such losses summed before one backward hold one
-    each. Weights in the accumulation dtype (fp32, or fp64) on the default atomic path keep the
-    two-pass split: their atomics land in the output itself. Compute a loss you will
+    When a gradient will be wanted (grad mode on, weight or vals requiring grad), the forward runs
+    the backward's sweep as well, in the same launch, as the backward would for an incoming
+    gradient g = 1, and the backward multiplies by the real g: the decoder rows come from DRAM once
+    per step instead of twice (the second sweep finds them in L1 / L2). The weight-gradient buffer
+    (or the staged rows: B*K*D floats in deterministic fp32) is then held from the forward to the
+    backward, so several such losses summed before one backward hold one each. fp32 (and fp64)
+    weights on the default atomic path fuse in plain eager mode only: their atomics land in the
+    F x D buffer that the backward scales in place and returns as the weight gradient, so g = 1
+    costs nothing and any other g (a loss divided by a constant, a gradient scaler) one read and
+    one write of F x D. A second backward of the same graph (``retain_graph=True``) then runs the
+    split backward from the saved inputs; under ``torch.compile`` they take the two-pass split
+    throughout. Deterministic mode fuses where its staged rows fit in one column chunk. Compute a
+    loss you will
     not differentiate under ``torch.no_grad()``, or it pays for the backward's sweep.
     """
     _check_loss_inputs(indices, weight, vals, bias, target)
