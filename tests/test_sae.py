@@ -173,28 +173,31 @@ HIER_FUSED_CASES = [  # (weight dtype, deterministic, what requires grad, fused 
 ]
 
 
-@pytest.mark.parametrize("g", [1.0, -1.5], ids=["g=1", "g=-1.5"])
+@pytest.mark.parametrize("g,scale", [(1.0, None), (-1.5, None), (1.0, "tensor"), (1.0, 0.37)],
+                         ids=["g=1", "g=-1.5", "scale-tensor", "scale-float"])
 @pytest.mark.parametrize("dtype,deterministic,wanted,fused", HIER_FUSED_CASES)
-def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, g, monkeypatch):
+def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, g, scale, monkeypatch):
     """The forward runs the backward's sweep too (one launch, no separate forward kernel) exactly
     when a gradient is wanted and the backward can apply the incoming gradient g; the results match
-    the fp64 reference either way, with g = 1 (which the fp32 atomic path leaves as it is) and
-    another g, and through a second backward of the same graph."""
+    the fp64 reference either way, with g = 1 (which the fp32 atomic path leaves as it is), another
+    g, and a ``scale`` (folded into the sweep), and through a second backward of the same graph."""
     from sparsefuse.sae import kernels
 
     idx, weight, vals, bias, target = make(37, 5, 11, 100, dtype)
+    if scale == "tensor":
+        scale = torch.tensor(0.37, device=DEVICE)
     ours = dict(weight=weight, vals=vals, bias=bias)
     theirs = {k: t.double() for k, t in ours.items()}
     for k in wanted:
         ours[k].requires_grad_()
         theirs[k].requires_grad_()
     launches = _spy_launches(monkeypatch)
-    loss = sparsefuse.hierarchical_sae_loss(idx, **ours, target=target, deterministic=deterministic) * g
+    loss = sparsefuse.hierarchical_sae_loss(idx, **ours, target=target, deterministic=deterministic, scale=scale) * g
     fwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_fwd_kernel]
     bwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_bwd_kernel]
     assert (len(fwd), len(bwd)) == ((0, 1) if fused else (1, 0))
 
-    want = ref.hierarchical_sae_loss(idx, **theirs, target=target.double()) * g
+    want = ref.hierarchical_sae_loss(idx, **theirs, target=target.double(), scale=scale) * g
     assert_close(loss, want, dtype, "value")
     if not wanted:
         return
@@ -214,6 +217,49 @@ def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, g, monk
             assert_close(a, b, dtype, f"second grad_{name}")
         assert_close(a, w, dtype, f"grad_{name}")
         assert a.dtype == dtype
+
+
+@pytest.mark.parametrize("op", ["topk", "hierarchical"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["float", "tensor", "tensor-bf16", "requires-grad"])
+def test_loss_scale_matches_fp64_reference(op, dtype, kind):
+    """``scale`` multiplies the loss and every gradient (target included); a scale that requires
+    grad gets its own, the unscaled loss times the incoming gradient."""
+    idx, weight, vals, bias, target = make(7, 4, 9, 30, dtype)
+    value = 0.37
+    if kind == "float":
+        scale = value
+    else:
+        scale = torch.tensor(value, device=DEVICE, dtype=torch.bfloat16 if kind == "tensor-bf16" else dtype)
+        value = float(scale)
+    ours = [t.clone().requires_grad_() for t in (weight, vals, bias, target)]
+    theirs = [t.detach().double().requires_grad_() for t in ours]
+    s_ours = scale.clone().requires_grad_() if kind == "requires-grad" else scale
+    s_theirs = torch.tensor(value, dtype=torch.float64, requires_grad=True) if kind == "requires-grad" else value
+    got = OPS[op][0](idx, *ours[:3], ours[3], scale=s_ours)
+    want = OPS[op][1](idx, *theirs[:3], theirs[3], scale=s_theirs)
+    assert_close(got, want, dtype, "value")
+    extra = [s_ours] if kind == "requires-grad" else []
+    grads = torch.autograd.grad(got * -1.5, ours + extra)
+    wants = torch.autograd.grad(want * -1.5, theirs + ([s_theirs] if extra else []))
+    for name, a, b in zip(["weight", "vals", "bias", "target", "scale"], grads, wants):
+        assert_close(a, b, dtype, f"grad_{name}")
+
+
+@pytest.mark.parametrize("op", ["topk", "hierarchical"])
+def test_loss_scale_bad_input(op):
+    idx, weight, vals, bias, target = make(3, 2, 5, 4, torch.float32)
+    fn = OPS[op][0]
+    with pytest.raises(ValueError, match="scale must have 0 dimensions"):
+        fn(idx, weight, vals, bias, target, scale=torch.ones(1, device=DEVICE))
+    with pytest.raises(TypeError, match="scale has dtype int64"):
+        fn(idx, weight, vals, bias, target, scale=torch.tensor(2, device=DEVICE))
+    with pytest.raises(TypeError, match="scale must be a number or a 0-dim floating tensor, got str"):
+        fn(idx, weight, vals, bias, target, scale="2")
+    with pytest.raises(TypeError, match="scale must be a number"):
+        fn(idx, weight, vals, bias, target, scale=True)
+    with pytest.raises(ValueError, match="scale is on meta"):
+        fn(idx, weight, vals, bias, target, scale=torch.tensor(2.0, device="meta"))
 
 
 def test_hierarchical_in_place_gradient_is_handed_out_once():
@@ -553,12 +599,14 @@ def test_opcheck(op, layout):
 def test_opcheck_hierarchical_fused_ops(need_weight, deterministic, dtype):
     """The fused forward's op and the op that finishes its gradients, in each of their layouts."""
     idx, weight, vals, bias, target = make(3, 2, 4, 5, dtype)
-    args = (idx, weight.requires_grad_(need_weight), vals.requires_grad_(), bias, target, need_weight, deterministic)
+    scale = torch.tensor(0.75, device=DEVICE)
+    args = (idx, weight.requires_grad_(need_weight), vals.requires_grad_(), bias, target, scale, need_weight,
+            deterministic)
     torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_grads.default, args)
     _, etot, gv, stage = torch.ops.sparsefuse.hierarchical_sae_loss_grads(*args)
     mode = 0 if not need_weight else 2 if deterministic else 1
     torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_finish.default,
-                          (torch.tensor(0.5, device=DEVICE), idx, etot, gv, stage, 4, dtype, dtype, mode))
+                          (torch.tensor(0.5, device=DEVICE), idx, etot, gv, stage, scale, 4, dtype, dtype, mode))
 
 
 @pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
@@ -573,8 +621,8 @@ def test_gradcheck_fp64(op):
     assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7, nondet_tol=nondet_tol)
 
 
-def _hier_deterministic(*args):
-    return sparsefuse.hierarchical_sae_loss(*args, deterministic=True)
+def _hier_deterministic(*args, **kwargs):
+    return sparsefuse.hierarchical_sae_loss(*args, deterministic=True, **kwargs)
 
 
 @pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
@@ -591,6 +639,15 @@ def test_torch_compile_fullgraph_parity(op, layout):
         return out.square().sum() if out.dim() else out
 
     assert_compile_parity(step, (weight, vals, bias))
+
+
+@pytest.mark.parametrize("op", ["topk", "hierarchical", "hierarchical-fused"])
+def test_torch_compile_fullgraph_parity_with_scale(op):
+    """A tensor ``scale`` traced by ``torch.compile``: the registered fused op takes it as an input."""
+    idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
+    fn = _hier_deterministic if op == "hierarchical-fused" else OPS[op][0]
+    scale = torch.tensor(0.37, device=DEVICE)
+    assert_compile_parity(lambda w, v, b: fn(idx, w, v, b, target, scale=scale), (weight, vals, bias))
 
 
 @pytest.mark.parametrize("op", list(OPS))

@@ -38,7 +38,7 @@ from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
 from .._validate import check_index_range
-from .reference import acc_dtype
+from .reference import acc_dtype, scaled
 
 # Launch heuristics, in one place (H200 sweeps: scripts/tune_sae.py, numbers in benchmarks/NOTES.md).
 # A gather tile holds BLOCK_K x BLOCK_D <= _GATHER_TILE elements in registers (BLOCK_D stops at 16, so
@@ -311,7 +311,7 @@ def _hierarchical_sae_bwd_kernel(
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D]
     etot_ptr,  # [B, D] ACC: E_0 from the forward (FUSED: out)
-    g_ptr,  # [] g * c: the incoming gradient of the loss times c, in ACC (not FUSED)
+    g_ptr,  # [] g * c: the incoming gradient of the loss times c, in ACC (FUSED: the loss's scale, HAS_SCALE)
     gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows;
     #          3: [B * K, DC] staged rows of this launch's column chunk, unscaled, in the weight's dtype
     gv_ptr,  # STAGED_GV: [cdiv(D, BLOCK_D), B, K] ACC per-tile partials; else [B, K] ACC zeroed, atomic
@@ -327,7 +327,8 @@ def _hierarchical_sae_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr,  # 0: none, 1: atomic scatter into [F, D], 2 and 3: staged rows
     STAGED_GV: tl.constexpr,
-    FUSED: tl.constexpr,  # run the forward sweep first (etot_ptr, loss_ptr out) and leave g * c out
+    FUSED: tl.constexpr,  # run the forward sweep first (etot_ptr, loss_ptr out), for an incoming gradient of 1
+    HAS_SCALE: tl.constexpr,  # FUSED: the loss is multiplied by g_ptr's value, so the gradients are too
     ACC: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,  # latents per step
@@ -349,8 +350,8 @@ def _hierarchical_sae_bwd_kernel(
     program first sweeps the latents as ``_hierarchical_sae_fwd_kernel`` does (loss partials and E_0
     out), then runs the sweep below over the same rows, which its first sweep left in L1 / L2. The
     incoming gradient g is not known yet, so the sweep runs as the split backward would for g = 1
-    (c = 2 / (B K D) computed here, bit for bit the host's), and the pass that finishes the
-    gradients (``hierarchical_grads_finish``) multiplies by g."""
+    (c = 2 / (B K D) computed here, bit for bit the host's; times the loss's scale with HAS_SCALE),
+    and the pass that finishes the gradients (``hierarchical_grads_finish``) multiplies by g."""
     i_b = tl.program_id(0).to(tl.int64)
     i_t = T0 + tl.program_id(1)
     o_b = i_b + tl.arange(0, 1)  # the row as a 1-vector, for the helpers shared with the forward
@@ -363,6 +364,8 @@ def _hierarchical_sae_bwd_kernel(
                                        m_bd, B, K, D, F, stride_wf, stride_wd, ACC)  # E_0
         # g = 1: c = 2 / (B K D) in float64 and rounded to ACC, the value the split backward gets from the host
         gc = (2.0 / (tl.full([], 1.0, tl.float64) * B * K * D)).to(ACC)
+        if HAS_SCALE:  # as the split backward gets it for the loss times the scale: (scale * 1) * c
+            gc = tl.load(g_ptr).to(ACC) * gc
     else:
         b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0)
         gc = tl.load(g_ptr).to(ACC)
@@ -498,14 +501,16 @@ def _scale_cast_kernel(
     SKIP_ONE: tl.constexpr,  # in place (dst is src): g = 1 leaves it as it is
 ):
     """dst = g * src, converted to dst's dtype on the store: one read and one write, or, with
-    SKIP_ONE and g = 1, one scalar load a program (decided on the device: no host sync)."""
+    SKIP_ONE and g = 1, one scalar load a program (decided on the device: no host sync). Each
+    program takes every num_programs-th block, so a small grid (one wave) can cover any N."""
     gs = tl.load(g_ptr).to(ACC)
     if SKIP_ONE:
         if gs == 1:
             return
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = o < N
-    tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
+    for i_blk in range(tl.program_id(0).to(tl.int64), tl.cdiv(N, BLOCK), tl.num_programs(0)):  # int64 offsets
+        o = i_blk * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -757,6 +762,7 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
 
 
 _FINISH_BLOCK = 1024
+_SCALE_WAVE = 1024  # programs of the in-place gradient scaling: about one wave of 8-warp programs on an H100 / H200
 
 
 def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
@@ -869,15 +875,15 @@ def hierarchical_stage_shape(B, K, F, D, weight_dtype, acc, mode):
     return {0: ((0,), acc), 1: ((F, D), acc), 2: ((B * K, D), acc), 3: ((B * K, D), weight_dtype)}[mode]
 
 
-def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight_grad, deterministic):
-    """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss, and its gradients for an
-    incoming gradient of 1, in one launch (``FUSED`` sweep); :func:`hierarchical_grads_finish`
-    applies the real one.
+def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, scale, need_weight_grad, deterministic):
+    """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss (times ``scale``, a 0-dim
+    tensor, or None for 1), and its gradients for an incoming gradient of 1, in one launch
+    (``FUSED`` sweep); :func:`hierarchical_grads_finish` applies the real one.
 
     gv holds T per-tile partials when ``deterministic``, else T = 1 (atomics); see
     :func:`hierarchical_gv_tiles`.
-    ``stage`` is mode 1's F x D ACC buffer (scaled by c), mode 2's [B * K, D] rows c v_j E_j, mode
-    3's rows v_j E_j (unscaled: bf16 would lose small ones), or empty (mode 0; see
+    gv, mode 1's F x D ACC buffer and mode 2's [B * K, D] rows v_j E_j carry s = scale * c; mode
+    3's bf16 rows v_j E_j do not (small ones would underflow); ``stage`` is empty in mode 0 (see
     :func:`hierarchical_plan`)."""
     B, K = indices.shape
     F, D = weight.shape
@@ -892,23 +898,24 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     if B == 0 or D == 0:
         for t in (stage, etot, gv):
             t.zero_()
-        return vals.new_zeros((), dtype=acc), etot, gv, stage
+        return scaled(vals.new_zeros((), dtype=acc), scale), etot, gv, stage
     cfg = _hier_config(D, weight.element_size(), backward=True)
     grid = _hier_grid(B, D, cfg)
     row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
     _launch(_hierarchical_sae_bwd_kernel, grid,
-        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, None, stage, gv,
+        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, scale, stage, gv,
         row_loss, B, K, D, F, *_weight_strides(weight), 0, D,
-        HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=_tl_dtype(acc), **cfg,
+        HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True,
+        HAS_SCALE=scale is not None, ACC=_tl_dtype(acc), **cfg,
     )
-    return row_loss.sum() / (B * K * D), etot, gv, stage
+    return scaled(row_loss.sum() / (B * K * D), scale), etot, gv, stage
 
 
-def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode,
-                              in_place=False):
+def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, scale, num_features, weight_dtype, vals_dtype,
+                              mode, in_place=False):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC) from the fused
-    forward's results (see :func:`hierarchical_loss_fwd_grads`), scaled by g = grad_loss (a device
-    scalar: no host sync).
+    forward's results (see :func:`hierarchical_loss_fwd_grads`, whose ``scale`` this is), scaled by
+    g = grad_loss (a device scalar: no host sync).
 
     Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged), except
     ``in_place`` (mode 1 with the buffer in the weight's dtype, :func:`hierarchical_in_place`): then
@@ -918,7 +925,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
     K = gv.shape[-1]
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(etot.dtype)
-    gc = g * c
+    gc = scaled(g, scale) * c  # for what the forward left unscaled: etot and mode 3's rows
     grad_bias = etot.sum(0).mul_(gc)
     grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(g).to(vals_dtype)  # gv has >= 1 slot
     if mode == 0:
@@ -926,10 +933,11 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
         grad_weight = stage if in_place else torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
         n, block = stage.numel(), 1024 if INTERPRET else 4096
-        if n:
-            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, g, n,
+        if n:  # in place, one wave of programs: with g = 1 a block a program took 0.05-0.1 ms just to start them all
+            grid = min(cdiv(n, block), _SCALE_WAVE) if in_place else cdiv(n, block)
+            _launch(_scale_cast_kernel, (grid,), stage, grad_weight, g, n,
                     ACC=_tl_dtype(etot.dtype), BLOCK=block, SKIP_ONE=in_place, num_warps=8)
-    else:  # mode 2's rows carry c already, mode 3's do not
+    else:  # mode 2's rows carry scale * c already, mode 3's do not
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=g if mode == 2 else gc,
                                   row_per_entry=True)
     return grad_vals, grad_weight, grad_bias
@@ -971,7 +979,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, gc, buf, gv, None,
                 B, K, D, F, *_weight_strides(weight))
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
-                    ACC=_tl_dtype(acc), **cfg)
+                    HAS_SCALE=False, ACC=_tl_dtype(acc), **cfg)
         for t0 in range(0, n_tiles, chunk):
             tiles = min(chunk, n_tiles - t0)
             d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)
