@@ -911,6 +911,15 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, scale, need
     return scaled(row_loss.sum() / (B * K * D), scale), etot, gv, stage
 
 
+def _row_sum(x):
+    """``x.sum(0)`` of a contiguous [B, D] tensor, in two stages (64-row blocks, then the blocks)
+    when B allows: for [4096, 2304] fp32 PyTorch's one-stage sum over rows allocates a 72 MiB
+    buffer, which on top of an F x D gradient raised the step's peak by as much
+    (``scripts/probe_colsum_memory.py``: 0.57 MiB in two stages)."""
+    B = x.shape[0]
+    return x.view(B // 64, 64, -1).sum(1).sum(0) if B >= 128 and B % 64 == 0 else x.sum(0)
+
+
 def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, scale, num_features, weight_dtype, vals_dtype,
                               mode, in_place=False):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC) from the fused
@@ -926,7 +935,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, scale, num_fe
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(etot.dtype)
     gc = scaled(g, scale) * c  # for what the forward left unscaled: etot and mode 3's rows
-    grad_bias = etot.sum(0).mul_(gc)
+    grad_bias = (_row_sum(etot) if in_place else etot.sum(0)).mul_(gc)
     grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(g).to(vals_dtype)  # gv has >= 1 slot
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
@@ -955,7 +964,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(acc)
     gc = g * c  # a device scalar in ACC: a Python float reaches a kernel as fp32, too coarse for fp64
-    grad_bias = etot.sum(0).mul_(gc)
+    grad_bias = _row_sum(etot).mul_(gc)  # as the in-place finish sums it (the same bits on one device)
     cfg = _hier_config(D, weight.element_size(), backward=True)
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
     buf = grad_weight = None
