@@ -143,7 +143,7 @@ def bwd_base(idx, v, w, b, tg, etot, gc, gw, gv):
     cfg = kn._hier_config(D, 4, backward=True)
     kn._hierarchical_sae_bwd_kernel[kn._hier_grid(B, D, cfg)](
         idx, v, w, b, tg, etot, gc, gw, gv, None, B, K, D, F, D, 1, 0, D, HAS_BIAS=True, WEIGHT_GRAD=1,
-        STAGED_GV=False, FUSED=False, HAS_SCALE=False, ACC=tl.float32, **cfg)
+        STAGED_GV=False, FUSED=False, ACC=tl.float32, **cfg)
 
 
 def fwd_base(idx, v, w, b, tg):

@@ -99,7 +99,7 @@ def main(path):
         row["step today"] = do_bench(lambda: torch.autograd.grad(sf.hierarchical_sae_loss(idx, w, v, b, t), ps),
                                      warmup=50, rep=300, return_mode="median")
         row["two-sweep fused forward today (zero-fill incl.)"] = do_bench(
-            lambda: kn.hierarchical_loss_fwd_grads(idx, w.detach(), v.detach(), b.detach(), t, None, True, False),
+            lambda: kn.hierarchical_loss_fwd_grads(idx, w.detach(), v.detach(), b.detach(), t, True, False),
             warmup=50, rep=300, return_mode="median")
         for block_d in (16, 32, 64):
             for nw in (1, 2, 4):

@@ -86,10 +86,10 @@ def part2():
             "backward with atomics (zero-fill included)": lambda: kn.hierarchical_loss_bwd(
                 g, idx, w, v, b, t, etot, True, False),
             "two-sweep fused forward, mode 1 (zero-fill included)": lambda: kn.hierarchical_loss_fwd_grads(
-                idx, w, v, b, t, None, True, False),
+                idx, w, v, b, t, True, False),
             "zero-fill F x D": lambda: torch.zeros(F, D, device="cuda"),
             "scale pass F x D (read + write)": lambda: kn._launch(
-                kn._scale_cast_kernel, (n // 4096,), buf, dst, gs, n, ACC=kn.tl.float32, BLOCK=4096, SKIP_ONE=False,
+                kn._scale_cast_kernel, (n // 4096,), buf, dst, gs, n, ACC=kn.tl.float32, BLOCK=4096,
                 num_warps=8),
         }
         row = dict(K=K)

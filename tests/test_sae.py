@@ -167,122 +167,45 @@ HIER_FUSED_CASES = [  # (weight dtype, deterministic, what requires grad, fused 
     pytest.param(torch.float16, False, ("weight", "vals", "bias"), True, id="fp16-buffer-converted"),
     pytest.param(torch.float32, True, ("weight", "vals", "bias"), True, id="fp32-deterministic-staged"),
     pytest.param(torch.float32, False, ("vals", "bias"), True, id="fp32-frozen-decoder"),
-    pytest.param(torch.float32, False, ("weight", "vals", "bias"), True, id="fp32-atomics-in-place"),
+    pytest.param(torch.float32, False, ("weight", "vals", "bias"), False, id="fp32-atomics-two-passes"),
     pytest.param(torch.float32, False, ("bias",), False, id="fp32-bias-only"),
     pytest.param(torch.float32, False, (), False, id="fp32-nothing-requires-grad"),
 ]
 
 
-@pytest.mark.parametrize("g,scale", [(1.0, None), (-1.5, None), (1.0, "tensor"), (1.0, 0.37)],
-                         ids=["g=1", "g=-1.5", "scale-tensor", "scale-float"])
 @pytest.mark.parametrize("dtype,deterministic,wanted,fused", HIER_FUSED_CASES)
-def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, g, scale, monkeypatch):
+def test_hierarchical_fused_forward(dtype, deterministic, wanted, fused, monkeypatch):
     """The forward runs the backward's sweep too (one launch, no separate forward kernel) exactly
-    when a gradient is wanted and the backward can apply the incoming gradient g; the results match
-    the fp64 reference either way, with g = 1 (which the fp32 atomic path leaves as it is), another
-    g, and a ``scale`` (folded into the sweep), and through a second backward of the same graph."""
+    when a gradient is wanted and the backward has a pass that can scale it; the results match the
+    fp64 reference either way, through a second backward of the same graph and with an incoming
+    gradient other than 1."""
     from sparsefuse.sae import kernels
 
     idx, weight, vals, bias, target = make(37, 5, 11, 100, dtype)
-    if scale == "tensor":
-        scale = torch.tensor(0.37, device=DEVICE)
     ours = dict(weight=weight, vals=vals, bias=bias)
     theirs = {k: t.double() for k, t in ours.items()}
     for k in wanted:
         ours[k].requires_grad_()
         theirs[k].requires_grad_()
     launches = _spy_launches(monkeypatch)
-    loss = sparsefuse.hierarchical_sae_loss(idx, **ours, target=target, deterministic=deterministic, scale=scale) * g
+    loss = sparsefuse.hierarchical_sae_loss(idx, **ours, target=target, deterministic=deterministic) * -1.5
     fwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_fwd_kernel]
     bwd = [fn for fn, _ in launches if fn is kernels._hierarchical_sae_bwd_kernel]
     assert (len(fwd), len(bwd)) == ((0, 1) if fused else (1, 0))
 
-    want = ref.hierarchical_sae_loss(idx, **theirs, target=target.double(), scale=scale) * g
+    want = ref.hierarchical_sae_loss(idx, **theirs, target=target.double()) * -1.5
     assert_close(loss, want, dtype, "value")
     if not wanted:
         return
     first = torch.autograd.grad(loss, [ours[k] for k in wanted], retain_graph=True)
-    del launches[:]
     again = torch.autograd.grad(loss, [ours[k] for k in wanted])
-    # the fp32 atomic path hands its buffer out as the first weight gradient, so the second
-    # backward re-runs the split one; every other fused path only rescales what the forward left
-    split = dtype == torch.float32 and not deterministic and "weight" in wanted
-    assert sum(fn is kernels._hierarchical_sae_bwd_kernel for fn, _ in launches) == (not fused or split)
     for name, a, b, w in zip(wanted, first, again, torch.autograd.grad(want, [theirs[k] for k in wanted])):
-        # on CPU (one program at a time) the split path sums in the fused one's order, and for g = 1
-        # with the same scale, c, bit for bit
-        if (fused and not split) or (split and g == 1.0 and DEVICE == "cpu"):
+        if fused:  # the second backward only rescales what the forward left (the split one re-runs atomics)
             assert torch.equal(a, b), name
         else:
             assert_close(a, b, dtype, f"second grad_{name}")
         assert_close(a, w, dtype, f"grad_{name}")
         assert a.dtype == dtype
-
-
-@pytest.mark.parametrize("op", ["topk", "hierarchical"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["float", "tensor", "tensor-bf16", "requires-grad"])
-def test_loss_scale_matches_fp64_reference(op, dtype, kind):
-    """``scale`` multiplies the loss and every gradient (target included); a scale that requires
-    grad gets its own, the unscaled loss times the incoming gradient."""
-    idx, weight, vals, bias, target = make(7, 4, 9, 30, dtype)
-    value = 0.37
-    if kind == "float":
-        scale = value
-    else:
-        scale = torch.tensor(value, device=DEVICE, dtype=torch.bfloat16 if kind == "tensor-bf16" else dtype)
-        value = float(scale)
-    ours = [t.clone().requires_grad_() for t in (weight, vals, bias, target)]
-    theirs = [t.detach().double().requires_grad_() for t in ours]
-    s_ours = scale.clone().requires_grad_() if kind == "requires-grad" else scale
-    s_theirs = torch.tensor(value, dtype=torch.float64, requires_grad=True) if kind == "requires-grad" else value
-    got = OPS[op][0](idx, *ours[:3], ours[3], scale=s_ours)
-    want = OPS[op][1](idx, *theirs[:3], theirs[3], scale=s_theirs)
-    assert_close(got, want, dtype, "value")
-    extra = [s_ours] if kind == "requires-grad" else []
-    grads = torch.autograd.grad(got * -1.5, ours + extra)
-    wants = torch.autograd.grad(want * -1.5, theirs + ([s_theirs] if extra else []))
-    for name, a, b in zip(["weight", "vals", "bias", "target", "scale"], grads, wants):
-        assert_close(a, b, dtype, f"grad_{name}")
-
-
-@pytest.mark.parametrize("op", ["topk", "hierarchical"])
-def test_loss_scale_bad_input(op):
-    idx, weight, vals, bias, target = make(3, 2, 5, 4, torch.float32)
-    fn = OPS[op][0]
-    with pytest.raises(ValueError, match="scale must have 0 dimensions"):
-        fn(idx, weight, vals, bias, target, scale=torch.ones(1, device=DEVICE))
-    with pytest.raises(TypeError, match="scale has dtype int64"):
-        fn(idx, weight, vals, bias, target, scale=torch.tensor(2, device=DEVICE))
-    with pytest.raises(TypeError, match="scale must be a number or a 0-dim floating tensor, got str"):
-        fn(idx, weight, vals, bias, target, scale="2")
-    with pytest.raises(TypeError, match="scale must be a number"):
-        fn(idx, weight, vals, bias, target, scale=True)
-    with pytest.raises(ValueError, match="scale is on meta"):
-        fn(idx, weight, vals, bias, target, scale=torch.tensor(2.0, device="meta"))
-
-
-def test_hierarchical_in_place_gradient_is_handed_out_once():
-    """fp32 on the atomic path: the first backward returns the forward's buffer as the weight
-    gradient; changing that gradient afterwards (an optimiser zeroing it) must not leak into a
-    second backward of the same graph. B = 128 takes the two-stage bias sum of both paths."""
-    idx, weight, vals, bias, target = make(128, 2, 7, 5, torch.float32)
-    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
-    loss = sparsefuse.hierarchical_sae_loss(idx, w, vals, b, target)
-    g1 = torch.autograd.grad(loss, [w, b], retain_graph=True)
-    want = [g.clone() for g in g1]
-    w64, b64 = weight.double().requires_grad_(), bias.double().requires_grad_()
-    for got, exp, name in zip(want, torch.autograd.grad(ref.hierarchical_sae_loss(idx, w64, vals.double(), b64,
-                                                                                  target.double()), [w64, b64]),
-                              ["weight", "bias"]):
-        assert_close(got, exp, torch.float32, f"grad_{name}")
-    g1[0].fill_(123.0)
-    g2 = torch.autograd.grad(loss, [w, b])
-    for a, e, name in zip(g2, want, ["weight", "bias"]):
-        if DEVICE == "cpu":  # same sums in the same order: bit for bit
-            assert torch.equal(a, e), name
-        else:
-            assert_close(a, e, torch.float32, f"second grad_{name}")
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -608,14 +531,12 @@ def test_opcheck(op, layout):
 def test_opcheck_hierarchical_fused_ops(need_weight, deterministic, dtype):
     """The fused forward's op and the op that finishes its gradients, in each of their layouts."""
     idx, weight, vals, bias, target = make(3, 2, 4, 5, dtype)
-    scale = torch.tensor(0.75, device=DEVICE)
-    args = (idx, weight.requires_grad_(need_weight), vals.requires_grad_(), bias, target, scale, need_weight,
-            deterministic)
+    args = (idx, weight.requires_grad_(need_weight), vals.requires_grad_(), bias, target, need_weight, deterministic)
     torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_grads.default, args)
     _, etot, gv, stage = torch.ops.sparsefuse.hierarchical_sae_loss_grads(*args)
     mode = 0 if not need_weight else 2 if deterministic else 1
     torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_finish.default,
-                          (torch.tensor(0.5, device=DEVICE), idx, etot, gv, stage, scale, 4, dtype, dtype, mode))
+                          (torch.tensor(0.5, device=DEVICE), idx, etot, gv, stage, 4, dtype, dtype, mode))
 
 
 @pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
@@ -630,8 +551,8 @@ def test_gradcheck_fp64(op):
     assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7, nondet_tol=nondet_tol)
 
 
-def _hier_deterministic(*args, **kwargs):
-    return sparsefuse.hierarchical_sae_loss(*args, deterministic=True, **kwargs)
+def _hier_deterministic(*args):
+    return sparsefuse.hierarchical_sae_loss(*args, deterministic=True)
 
 
 @pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
@@ -648,15 +569,6 @@ def test_torch_compile_fullgraph_parity(op, layout):
         return out.square().sum() if out.dim() else out
 
     assert_compile_parity(step, (weight, vals, bias))
-
-
-@pytest.mark.parametrize("op", ["topk", "hierarchical", "hierarchical-fused"])
-def test_torch_compile_fullgraph_parity_with_scale(op):
-    """A tensor ``scale`` traced by ``torch.compile``: the registered fused op takes it as an input."""
-    idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
-    fn = _hier_deterministic if op == "hierarchical-fused" else OPS[op][0]
-    scale = torch.tensor(0.37, device=DEVICE)
-    assert_compile_parity(lambda w, v, b: fn(idx, w, v, b, target, scale=scale), (weight, vals, bias))
 
 
 @pytest.mark.parametrize("op", list(OPS))

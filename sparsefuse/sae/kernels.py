@@ -38,7 +38,7 @@ from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
 from .._validate import check_index_range
-from .reference import acc_dtype, scaled
+from .reference import acc_dtype
 
 # Launch heuristics, in one place (H200 sweeps: scripts/tune_sae.py, numbers in benchmarks/NOTES.md).
 # A gather tile holds BLOCK_K x BLOCK_D <= _GATHER_TILE elements in registers (BLOCK_D stops at 16, so
@@ -311,7 +311,7 @@ def _hierarchical_sae_bwd_kernel(
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D]
     etot_ptr,  # [B, D] ACC: E_0 from the forward (FUSED: out)
-    g_ptr,  # [] g * c: the incoming gradient of the loss times c, in ACC (FUSED: the loss's scale, HAS_SCALE)
+    g_ptr,  # [] g * c: the incoming gradient of the loss times c, in ACC (not FUSED)
     gw_ptr,  # WEIGHT_GRAD 1: [F, D] ACC, atomically accumulated; 2: [B * K, D] ACC staged rows;
     #          3: [B * K, DC] staged rows of this launch's column chunk, unscaled, in the weight's dtype
     gv_ptr,  # STAGED_GV: [cdiv(D, BLOCK_D), B, K] ACC per-tile partials; else [B, K] ACC zeroed, atomic
@@ -327,8 +327,7 @@ def _hierarchical_sae_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr,  # 0: none, 1: atomic scatter into [F, D], 2 and 3: staged rows
     STAGED_GV: tl.constexpr,
-    FUSED: tl.constexpr,  # run the forward sweep first (etot_ptr, loss_ptr out), for an incoming gradient of 1
-    HAS_SCALE: tl.constexpr,  # FUSED: the loss is multiplied by g_ptr's value, so the gradients are too
+    FUSED: tl.constexpr,  # run the forward sweep first (etot_ptr, loss_ptr out) and leave g * c out
     ACC: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,  # latents per step
@@ -349,9 +348,8 @@ def _hierarchical_sae_bwd_kernel(
     FUSED: the loss's forward and backward in one launch, for when the gradient is wanted. The
     program first sweeps the latents as ``_hierarchical_sae_fwd_kernel`` does (loss partials and E_0
     out), then runs the sweep below over the same rows, which its first sweep left in L1 / L2. The
-    incoming gradient g is not known yet, so the sweep runs as the split backward would for g = 1
-    (c = 2 / (B K D) computed here, bit for bit the host's; times the loss's scale with HAS_SCALE),
-    and the pass that finishes the gradients (``hierarchical_grads_finish``) multiplies by g."""
+    incoming gradient is not known yet, so everything stays unscaled (g = 1, c = 1): gv and the
+    weight-gradient rows get g * c from the pass that finishes them (``hierarchical_grads_finish``)."""
     i_b = tl.program_id(0).to(tl.int64)
     i_t = T0 + tl.program_id(1)
     o_b = i_b + tl.arange(0, 1)  # the row as a 1-vector, for the helpers shared with the forward
@@ -362,15 +360,13 @@ def _hierarchical_sae_bwd_kernel(
     if FUSED:
         b_s = _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d,
                                        m_bd, B, K, D, F, stride_wf, stride_wd, ACC)  # E_0
-        # g = 1: c = 2 / (B K D) in float64 and rounded to ACC, the value the split backward gets from the host
-        gc = (2.0 / (tl.full([], 1.0, tl.float64) * B * K * D)).to(ACC)
-        if HAS_SCALE:  # as the split backward gets it for the loss times the scale: (scale * 1) * c
-            gc = tl.load(g_ptr).to(ACC) * gc
+        gc = tl.full([], 1.0, ACC)
+        gs = gc
     else:
-        b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0)
         gc = tl.load(g_ptr).to(ACC)
-    gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
-    b_s = tl.sum(b_s * gs, axis=0)  # [BLOCK_D] s E_j, from j = 0
+        gs = gc if WEIGHT_GRAD != 3 else tl.full([], 1.0, ACC)
+        b_s = tl.load(etot_ptr + o_b[:, None] * D + o_d[None, :], mask=m_bd, other=0) * gs
+    b_s = tl.sum(b_s, axis=0)  # [BLOCK_D] s E_j, from j = 0
     b_e = tl.sum(b_off, axis=0) * gs  # [BLOCK_D] s e_{j-1}, from j = 0
     for i_k in range(0, K, CHUNK):
         o_k = i_k + tl.arange(0, CHUNK)
@@ -498,19 +494,12 @@ def _scale_cast_kernel(
     N,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
-    SKIP_ONE: tl.constexpr,  # in place (dst is src): g = 1 leaves it as it is
 ):
-    """dst = g * src, converted to dst's dtype on the store: one read and one write, or, with
-    SKIP_ONE and g = 1, one scalar load a program (decided on the device: no host sync). Each
-    program takes every num_programs-th block, so a small grid (one wave) can cover any N."""
+    """dst = g * src, converted to dst's dtype on the store: one read and one write."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
     gs = tl.load(g_ptr).to(ACC)
-    if SKIP_ONE:
-        if gs == 1:
-            return
-    for i_blk in range(tl.program_id(0).to(tl.int64), tl.cdiv(N, BLOCK), tl.num_programs(0)):  # int64 offsets
-        o = i_blk * BLOCK + tl.arange(0, BLOCK)
-        m = o < N
-        tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
+    tl.store(dst_ptr + o, (tl.load(src_ptr + o, mask=m, other=0) * gs).to(dst_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -762,7 +751,6 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
 
 
 _FINISH_BLOCK = 1024
-_SCALE_WAVE = 1024  # programs of the in-place gradient scaling: about one wave of 8-warp programs on an H100 / H200
 
 
 def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
@@ -841,25 +829,18 @@ def hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
     return mode, chunk, n_tiles
 
 
-def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, deterministic, in_place) -> bool:
+def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, deterministic) -> bool:
     """Whether the forward may run the backward's sweep too (``hierarchical_loss_fwd_grads``).
 
-    That sweep runs for an incoming gradient g = 1, so it pays off where the backward can apply the
-    real g on the way: the gv [B, K] scaling, the conversion of a 16-bit weight's fp32 buffer, or
-    the segmented sum of staged rows in one column chunk. Weights in the accumulation dtype on the
-    atomic path (fp32, and fp64) have no such pass: their atomics land in the output. They fuse
-    only ``in_place`` (plain eager: the backward may hand out the buffer it was given, see
-    :func:`hierarchical_grads_finish`), where g = 1 costs nothing and any other g one read and one
-    write of F x D (a traced backward could not alias, and would need a second F x D buffer). fp32
-    weights with an fp64 input have the conversion pass, so they fuse."""
+    It leaves every gradient unscaled, so it pays off only where the backward has a pass that can
+    apply g * c on the way: the gv [B, K] scaling, the conversion of a 16-bit weight's fp32
+    buffer, or the segmented sum of staged rows in one column chunk. Weights in the accumulation
+    dtype on the atomic path (fp32, and fp64) have none: their atomics land in the output, and
+    scaling it would cost a read and a write of F x D and a second F x D buffer, more than the
+    forward sweep it saves. fp32 weights with an fp64 input do have one (their fp64 buffer is
+    converted), so they fuse."""
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
-    return chunk >= n_tiles and (in_place or not hierarchical_in_place(mode, weight_dtype, acc))
-
-
-def hierarchical_in_place(mode, weight_dtype, acc) -> bool:
-    """Whether the fused forward's F x D buffer is the weight gradient itself (fp32 / fp64 weights on
-    the atomic path), so that its backward finishes it in place."""
-    return mode == 1 and weight_dtype == acc
+    return chunk >= n_tiles and not (mode == 1 and weight_dtype == acc)
 
 
 def hierarchical_gv_tiles(D, weight_dtype, deterministic) -> int:
@@ -871,20 +852,18 @@ def hierarchical_gv_tiles(D, weight_dtype, deterministic) -> int:
 
 
 def hierarchical_stage_shape(B, K, F, D, weight_dtype, acc, mode):
-    """(shape, dtype) of the weight-gradient data the fused forward hands the backward."""
+    """(shape, dtype) of the unscaled weight-gradient data the fused forward hands the backward."""
     return {0: ((0,), acc), 1: ((F, D), acc), 2: ((B * K, D), acc), 3: ((B * K, D), weight_dtype)}[mode]
 
 
-def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, scale, need_weight_grad, deterministic):
-    """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss (times ``scale``, a 0-dim
-    tensor, or None for 1), and its gradients for an incoming gradient of 1, in one launch
-    (``FUSED`` sweep); :func:`hierarchical_grads_finish` applies the real one.
+def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight_grad, deterministic):
+    """(loss [] ACC, etot [B, D] ACC, gv [T, B, K] ACC, stage): the loss and its unscaled gradients in
+    one launch (``FUSED`` sweep); :func:`hierarchical_grads_finish` applies the incoming gradient.
 
     gv holds T per-tile partials when ``deterministic``, else T = 1 (atomics); see
     :func:`hierarchical_gv_tiles`.
-    gv, mode 1's F x D ACC buffer and mode 2's [B * K, D] rows v_j E_j carry s = scale * c; mode
-    3's bf16 rows v_j E_j do not (small ones would underflow); ``stage`` is empty in mode 0 (see
-    :func:`hierarchical_plan`)."""
+    ``stage`` is mode 1's F x D ACC buffer, modes 2 and 3's [B * K, D] rows v_j E_j, or empty (mode
+    0; see :func:`hierarchical_plan`)."""
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
@@ -898,57 +877,39 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, scale, need
     if B == 0 or D == 0:
         for t in (stage, etot, gv):
             t.zero_()
-        return scaled(vals.new_zeros((), dtype=acc), scale), etot, gv, stage
+        return vals.new_zeros((), dtype=acc), etot, gv, stage
     cfg = _hier_config(D, weight.element_size(), backward=True)
     grid = _hier_grid(B, D, cfg)
     row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
     _launch(_hierarchical_sae_bwd_kernel, grid,
-        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, scale, stage, gv,
+        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, None, stage, gv,
         row_loss, B, K, D, F, *_weight_strides(weight), 0, D,
-        HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True,
-        HAS_SCALE=scale is not None, ACC=_tl_dtype(acc), **cfg,
+        HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=_tl_dtype(acc), **cfg,
     )
-    return scaled(row_loss.sum() / (B * K * D), scale), etot, gv, stage
+    return row_loss.sum() / (B * K * D), etot, gv, stage
 
 
-def _row_sum(x):
-    """``x.sum(0)`` of a contiguous [B, D] tensor, in two stages (64-row blocks, then the blocks)
-    when B allows: for [4096, 2304] fp32 PyTorch's one-stage sum over rows allocates a 72 MiB
-    buffer, which on top of an F x D gradient raised the step's peak by as much
-    (``scripts/probe_colsum_memory.py``: 0.57 MiB in two stages)."""
-    B = x.shape[0]
-    return x.view(B // 64, 64, -1).sum(1).sum(0) if B >= 128 and B % 64 == 0 else x.sum(0)
-
-
-def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, scale, num_features, weight_dtype, vals_dtype,
-                              mode, in_place=False):
+def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC) from the fused
-    forward's results (see :func:`hierarchical_loss_fwd_grads`, whose ``scale`` this is), scaled by
-    g = grad_loss (a device scalar: no host sync).
-
-    Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged), except
-    ``in_place`` (mode 1 with the buffer in the weight's dtype, :func:`hierarchical_in_place`): then
-    ``stage`` is scaled in place and returned as the weight gradient, untouched when g = 1, and the
-    caller must not finish it again."""
+    forward's unscaled results, scaled by g * c (g = grad_loss, a device scalar: no host sync).
+    Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged)."""
     B, D = etot.shape
     K = gv.shape[-1]
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(etot.dtype)
-    gc = scaled(g, scale) * c  # for what the forward left unscaled: etot and mode 3's rows
-    grad_bias = (_row_sum(etot) if in_place else etot.sum(0)).mul_(gc)
-    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(g).to(vals_dtype)  # gv has >= 1 slot
+    gc = g * c
+    grad_bias = etot.sum(0).mul_(gc)
+    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(gc).to(vals_dtype)  # gv has >= 1 slot
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
-        grad_weight = stage if in_place else torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
+        grad_weight = torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
         n, block = stage.numel(), 1024 if INTERPRET else 4096
-        if n:  # in place, one wave of programs: with g = 1 a block a program took 0.05-0.1 ms just to start them all
-            grid = min(cdiv(n, block), _SCALE_WAVE) if in_place else cdiv(n, block)
-            _launch(_scale_cast_kernel, (grid,), stage, grad_weight, g, n,
-                    ACC=_tl_dtype(etot.dtype), BLOCK=block, SKIP_ONE=in_place, num_warps=8)
-    else:  # mode 2's rows carry scale * c already, mode 3's do not
-        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=g if mode == 2 else gc,
-                                  row_per_entry=True)
+        if n:
+            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, gc, n,
+                    ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
+    else:
+        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
     return grad_vals, grad_weight, grad_bias
 
 
@@ -964,7 +925,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(acc)
     gc = g * c  # a device scalar in ACC: a Python float reaches a kernel as fp32, too coarse for fp64
-    grad_bias = _row_sum(etot).mul_(gc)  # as the in-place finish sums it (the same bits on one device)
+    grad_bias = etot.sum(0).mul_(gc)
     cfg = _hier_config(D, weight.element_size(), backward=True)
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
     buf = grad_weight = None
@@ -988,7 +949,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, gc, buf, gv, None,
                 B, K, D, F, *_weight_strides(weight))
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
-                    HAS_SCALE=False, ACC=_tl_dtype(acc), **cfg)
+                    ACC=_tl_dtype(acc), **cfg)
         for t0 in range(0, n_tiles, chunk):
             tiles = min(chunk, n_tiles - t0)
             d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)

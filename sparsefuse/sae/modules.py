@@ -192,10 +192,7 @@ class TopKSAE(nn.Module):
         # are freed before the decoder loss, whose forward may allocate the weight-gradient buffer
         del pre
         loss_fn = hier_loss if self.hierarchical else topk_loss
-        # 1 / variance goes in as the loss's scale rather than dividing its result: the fused
-        # hierarchical loss on fp32 weights then needs no extra pass over its weight gradient
-        inv_var = 1 / (variance.reshape(()) if isinstance(variance, Tensor) else variance)
-        recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x, scale=inv_var)
+        recon_loss = loss_fn(indices, self.W_dec, vals, self.b_dec, x) / variance
         if auxk_loss is None:
             auxk_loss = recon_loss.new_zeros(())
         loss = recon_loss + self.config["auxk_alpha"] * auxk_loss

@@ -11,13 +11,12 @@ Any B >= 0, K >= 1, D >= 0 and F >= 1; inputs need not be contiguous.
 
 from __future__ import annotations
 
-import numbers
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .._registry import INTERPRET, plain_eager, register_op
+from .._registry import INTERPRET, register_op
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from . import kernels, reference
 
@@ -44,14 +43,6 @@ def _check_loss_inputs(indices, weight, vals, bias, target):
 
 def _use_deterministic(deterministic: Optional[bool]) -> bool:
     return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
-
-
-def _check_scale(scale, device) -> None:
-    """``scale``: None, a real Python number, or a 0-dim floating tensor on the inputs' device."""
-    if scale is None or isinstance(scale, Tensor):
-        check_tensor("scale", scale, shape=(), dtypes=FLOAT_DTYPES, device=device, optional=True)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a number or a 0-dim floating tensor, got {type(scale).__name__}")
 
 
 # --- sae_decode ------------------------------------------------------------------------------
@@ -293,7 +284,7 @@ def _topk_op(
 
 def topk_sae_loss(
     indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
-    *, deterministic: Optional[bool] = None, scale: Union[float, Tensor, None] = None,
+    *, deterministic: Optional[bool] = None,
 ) -> Tensor:
     """TopK SAE reconstruction loss, fused with the decoder.
 
@@ -307,9 +298,6 @@ def topk_sae_loss(
         target: ``[B, D]`` the input being reconstructed (it gets a gradient if it requires one).
         deterministic: accepted for symmetry; this loss is always bit-reproducible (the weight
             gradient is a segmented sum, not atomics).
-        scale: a factor the loss is multiplied by (a number, or a 0-dim floating tensor on the
-            inputs' device, differentiable), as :func:`hierarchical_sae_loss` takes it; here it is
-            the same as multiplying the result.
 
     Returns:
         A float32 scalar (float64 for float64 inputs). B = 0 gives 0 with zero gradients.
@@ -317,8 +305,7 @@ def topk_sae_loss(
     """
     del deterministic
     _check_loss_inputs(indices, weight, vals, bias, target)
-    _check_scale(scale, weight.device)
-    return reference.scaled(_topk_op(indices, weight, vals, bias, target)[0], scale)
+    return _topk_op(indices, weight, vals, bias, target)[0]
 
 
 # --- hierarchical_sae_loss -------------------------------------------------------------------
@@ -381,14 +368,14 @@ def _hier_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tenso
     return kernels.hierarchical_loss_fwd(indices, weight, vals, bias, target)
 
 
-# When the loss is computed for a backward that its forward can run ahead of (see
-# kernels.hierarchical_fusable), one launch sweeps the latents twice and leaves the gradients for an
-# incoming gradient of 1, which the backward multiplies by the real one. These two ops have no
+# When the loss is computed for a backward that its forward can run ahead of (16-bit weights,
+# deterministic mode, a frozen decoder: see kernels.hierarchical_fusable), one launch sweeps the
+# latents twice and leaves the gradients unscaled for the backward to finish. These two ops have no
 # CPU reference: hierarchical_sae_loss only takes them where the kernels run (CUDA, or CPU under
 # the Triton interpreter); elsewhere it uses the two ops above, whose reference is exact.
 
 
-def _hier_grads_fake(indices, weight, vals, bias, target, scale, need_weight_grad, deterministic):
+def _hier_grads_fake(indices, weight, vals, bias, target, need_weight_grad, deterministic):
     acc = reference.acc_dtype(weight, vals, bias, target)
     (B, K), (F, D) = indices.shape, weight.shape
     mode = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)[0]
@@ -398,7 +385,7 @@ def _hier_grads_fake(indices, weight, vals, bias, target, scale, need_weight_gra
             vals.new_empty(shape, dtype=stage_dtype))
 
 
-def _hier_finish_fake(grad_loss, indices, etot, gv, stage, scale, num_features, weight_dtype, vals_dtype, mode):
+def _hier_finish_fake(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
     B, D = etot.shape
     grad_weight = etot.new_empty((num_features, D) if mode else (0,), dtype=weight_dtype)
     return etot.new_empty(B, gv.shape[-1], dtype=vals_dtype), grad_weight, etot.new_empty(D)
@@ -406,104 +393,72 @@ def _hier_finish_fake(grad_loss, indices, etot, gv, stage, scale, num_features, 
 
 @register_op("hierarchical_sae_loss_finish", fake=_hier_finish_fake)
 def _hier_finish_op(
-    grad_loss: Tensor, indices: Tensor, etot: Tensor, gv: Tensor, stage: Tensor, scale: Optional[Tensor],
-    num_features: int, weight_dtype: torch.dtype, vals_dtype: torch.dtype, mode: int,
+    grad_loss: Tensor, indices: Tensor, etot: Tensor, gv: Tensor, stage: Tensor, num_features: int,
+    weight_dtype: torch.dtype, vals_dtype: torch.dtype, mode: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return kernels.hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, scale, num_features, weight_dtype,
+    return kernels.hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype,
                                              vals_dtype, mode)
 
 
 def _hier_grads_setup(ctx, inputs, output):
-    indices, weight, vals, bias, target, scale, need_weight_grad, deterministic = inputs
-    if scale is not None and scale.requires_grad:
-        raise ValueError("hierarchical_sae_loss_grads takes a scale that does not require grad")
+    indices, weight, vals, bias, target, need_weight_grad, deterministic = inputs
     _, etot, gv, stage = output
     ctx.mark_non_differentiable(etot, gv, stage)
     ctx.set_materialize_grads(False)
+    ctx.save_for_backward(indices, etot, gv, stage)  # not weight: its values are not needed again
     B, K = indices.shape
     F, D = weight.shape
     ctx.mode = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)[0]
     ctx.dtypes = (F, weight.dtype, vals.dtype, None if bias is None else bias.dtype, target.dtype)
-    # fp32 / fp64 weights on the atomic path: the backward scales ``stage`` in place and hands it
-    # out as the weight gradient, once; any later backward of this graph (retain_graph), or one
-    # being traced, runs the split backward from the saved inputs instead. ``stage`` is kept out
-    # of the saved tensors, whose version checks would refuse that later backward once the
-    # gradient handed out has been changed in place (clipped, projected, zeroed).
-    ctx.in_place = kernels.hierarchical_in_place(ctx.mode, weight.dtype, etot.dtype) and plain_eager(inputs)
-    ctx.deterministic = deterministic
-    if ctx.in_place:
-        ctx.stage = stage
-        ctx.save_for_backward(indices, etot, gv, scale, weight, vals, bias, target)
-    else:  # not weight: its values are not needed again
-        ctx.save_for_backward(indices, etot, gv, scale, stage)
 
 
 def _hier_grads_backward(ctx, grad_loss, _grad_etot, _grad_gv, _grad_stage):
     if grad_loss is None:
-        return (None,) * 8
-    if ctx.in_place:
-        indices, etot, gv, scale, *inputs = ctx.saved_tensors
-        stage, ctx.stage = ctx.stage, None  # handed out at most once
-    else:
-        indices, etot, gv, scale, stage = ctx.saved_tensors
-    _, need_weight, need_vals, need_bias, need_target, _, _, _ = ctx.needs_input_grad
+        return (None,) * 7
+    indices, etot, gv, stage = ctx.saved_tensors
+    _, need_weight, need_vals, need_bias, need_target, _, _ = ctx.needs_input_grad
     F, weight_dtype, vals_dtype, bias_dtype, target_dtype = ctx.dtypes
     gvals = gw = gb = gt = None
     if need_weight or need_vals or need_bias:
-        if ctx.in_place and (stage is None or not plain_eager((grad_loss,))):
-            gvals, gw, gb = _hier_bwd_op(reference.scaled(grad_loss, scale), indices, *inputs, etot, need_weight,
-                                         ctx.deterministic)
-        elif ctx.in_place:
-            gvals, gw, gb = kernels.hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, scale, F,
-                                                              weight_dtype, vals_dtype, ctx.mode if need_weight else 0,
-                                                              in_place=True)
-        else:
-            gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, scale, F, weight_dtype, vals_dtype,
-                                            ctx.mode if need_weight else 0)
+        gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
+                                        ctx.mode if need_weight else 0)
     if need_target:
-        gt = _target_grad(reference.scaled(grad_loss, scale), etot, etot.numel() * indices.shape[1], target_dtype)
+        gt = _target_grad(grad_loss, etot, etot.numel() * indices.shape[1], target_dtype)
     return (None, gw if need_weight else None, gvals if need_vals else None,
-            gb.to(bias_dtype) if need_bias else None, gt, None, None, None)
+            gb.to(bias_dtype) if need_bias else None, gt, None, None)
 
 
 @register_op("hierarchical_sae_loss_grads", fake=_hier_grads_fake, backward=_hier_grads_backward,
              setup_context=_hier_grads_setup)
 def _hier_grads_op(indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
-                   scale: Optional[Tensor], need_weight_grad: bool,
-                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss * scale, etot, gv, stage): the loss with its gradients for g = 1
-    (kernels.hierarchical_loss_fwd_grads); ``scale`` does not require grad (None: 1)."""
-    return kernels.hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, scale, need_weight_grad,
-                                               deterministic)
+                   need_weight_grad: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, etot, gv, stage): the loss with its gradients, unscaled (kernels.hierarchical_loss_fwd_grads)."""
+    return kernels.hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight_grad, deterministic)
 
 
 def _fuse_hierarchical(indices, weight, vals, bias, target, deterministic) -> bool:
     """Whether this call takes the fused forward: a gradient will be wanted, the kernels run (CUDA, or
-    the Triton interpreter), and the backward can apply the incoming gradient (in place only in
-    plain eager mode: see kernels.hierarchical_fusable)."""
+    the Triton interpreter), and the backward has a pass that can apply g * c."""
     if not (torch.is_grad_enabled() and (weight.requires_grad or vals.requires_grad)):
         return False
     if not (weight.is_cuda or INTERPRET):
         return False
     (B, K), (F, D) = indices.shape, weight.shape
     return kernels.hierarchical_fusable(B, K, F, D, weight.dtype, reference.acc_dtype(weight, vals, bias, target),
-                                        weight.requires_grad, deterministic,
-                                        plain_eager((indices, weight, vals, bias, target)))
+                                        weight.requires_grad, deterministic)
 
 
 def hierarchical_sae_loss(
     indices: Tensor, weight: Tensor, vals: Tensor, bias: Optional[Tensor], target: Tensor,
-    *, deterministic: Optional[bool] = None, scale: Union[float, Tensor, None] = None,
+    *, deterministic: Optional[bool] = None,
 ) -> Tensor:
     """HierarchicalTopK loss (arXiv 2505.24473): the mean of the K prefix TopK losses.
 
-    ``loss = scale/(B*K*D) * sum_{b,k,d} (bias_d + sum_{j<=k} vals[b,j] * weight[indices[b,j], d] - target[b,d])^2``
+    ``loss = 1/(B*K*D) * sum_{b,k,d} (bias_d + sum_{j<=k} vals[b,j] * weight[indices[b,j], d] - target[b,d])^2``
 
     The order along K defines the prefixes: pass the latents sorted by activation, largest first,
     so that prefix k is the k-sparse reconstruction. Same arguments, dtypes and B = 0 rule as
-    :func:`topk_sae_loss`; ``scale`` (default 1) is a number or a 0-dim floating tensor on the
-    inputs' device, differentiable, such as ``1 / variance`` for a loss read as a fraction of
-    variance unexplained. Pass such a factor here rather than multiplying the result: see below.
+    :func:`topk_sae_loss`.
 
     By default (fp32 weights) the forward reads the active decoder rows once and saves only
     E_0 = sum_k e_k ([B, D] fp32); the backward reads them once more. The weight gradient is
@@ -511,34 +466,25 @@ def hierarchical_sae_loss(
     ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` (read when the loss is
     computed), which stages the B*K gradient rows and reduces them in a fixed order instead (B*K*D
     extra floats; for bf16 weights the rows are kept in bf16, a column chunk at a time, within the
-    bytes of an F x D fp32 buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D
-    fp32 buffer and converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
+    bytes of an F x D fp32 buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D fp32 buffer and
+    converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
 
-    When a gradient will be wanted (grad mode on, weight or vals requiring grad), the forward runs
-    the backward's sweep as well, in the same launch, as the backward would for an incoming
-    gradient g = 1 (times ``scale``), and the backward multiplies by the real g: the decoder rows
+    When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
+    has a pass that can apply the incoming gradient (16-bit weights, deterministic mode when the
+    staged rows fit in one column chunk, or a frozen decoder), the forward runs the backward's
+    sweep as well, in the same launch, and hands the backward unscaled gradients: the decoder rows
     come from DRAM once per step instead of twice (the second sweep finds them in L1 / L2). The
     weight-gradient buffer (or the staged rows: B*K*D floats in deterministic fp32) is then held
     from the forward to the backward, so several such losses summed before one backward hold one
-    each. fp32 (and fp64) weights on the default atomic path fuse in plain eager mode only: their
-    atomics land in the F x D buffer that the backward scales in place and returns as the weight
-    gradient, so g = 1 (``loss.backward()`` on this loss or on a sum of it with others) costs
-    nothing, and any other g one read and one write of F x D: a loss multiplied or divided by a
-    factor afterwards, or by a gradient scaler. (A ``scale`` that requires grad is applied that way
-    too.) A second backward of the same graph (``retain_graph=True``) runs the split backward from
-    the saved inputs; under ``torch.compile`` they take the two-pass split throughout.
-    Deterministic mode fuses where its staged rows fit in one column chunk. Compute a loss you will
+    each. Weights in the accumulation dtype (fp32, or fp64) on the default atomic path keep the
+    two-pass split: their atomics land in the output itself. Compute a loss you will
     not differentiate under ``torch.no_grad()``, or it pays for the backward's sweep.
     """
     _check_loss_inputs(indices, weight, vals, bias, target)
-    _check_scale(scale, weight.device)
     deterministic = _use_deterministic(deterministic)
-    scale_needs_grad = isinstance(scale, Tensor) and scale.requires_grad
-    if not scale_needs_grad and _fuse_hierarchical(indices, weight, vals, bias, target, deterministic):
-        if scale is not None and not isinstance(scale, Tensor):  # a fill launch: no host sync
-            scale = None if scale == 1 else torch.full((), scale, dtype=torch.float64, device=weight.device)
-        return _hier_grads_op(indices, weight, vals, bias, target, scale, weight.requires_grad, deterministic)[0]
-    return reference.scaled(_hier_op(indices, weight, vals, bias, target, deterministic)[0], scale)
+    if _fuse_hierarchical(indices, weight, vals, bias, target, deterministic):
+        return _hier_grads_op(indices, weight, vals, bias, target, weight.requires_grad, deterministic)[0]
+    return _hier_op(indices, weight, vals, bias, target, deterministic)[0]
 
 
 # --- unit-norm decoder rows (in place; the training loop calls them around the optimiser step) ---

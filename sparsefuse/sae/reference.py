@@ -33,33 +33,23 @@ def sae_decode(indices, vals, weight, bias=None):
     return out if bias is None else out + bias.to(dt)
 
 
-def scaled(loss, scale):
-    """``loss * scale`` (autograd records it) in the loss's dtype; ``scale`` a number or a 0-dim
-    tensor, None for 1."""
-    if scale is None:
-        return loss
-    return loss * (scale.to(loss.dtype) if isinstance(scale, torch.Tensor) else scale)
-
-
-def topk_sae_loss(indices, weight, vals, bias, target, *, scale=None):
-    """scale times the mean over B*D of (sae_decode(...) - target)^2, as a float32 (float64 for
-    float64 inputs) scalar; ``scale`` a number or a 0-dim tensor, None for 1."""
+def topk_sae_loss(indices, weight, vals, bias, target):
+    """mean over B*D of (sae_decode(...) - target)^2, as a float32 (float64 for float64 inputs) scalar."""
     dt = acc_dtype(weight, vals, bias, target)
     recon = torch.einsum("bk,bkd->bd", vals.to(dt), weight[indices.long()].to(dt)) - target.to(dt)
     if bias is not None:
         recon = recon + bias.to(dt)
-    return scaled(recon.square().sum() / max(target.numel(), 1), scale)
+    return recon.square().sum() / max(target.numel(), 1)
 
 
-def hierarchical_sae_loss(indices, weight, vals, bias, target, *, scale=None):
-    """scale times the mean over k = 1..K of the TopK loss of the prefix reconstruction that uses
-    latents 0..k-1."""
+def hierarchical_sae_loss(indices, weight, vals, bias, target):
+    """Mean over k = 1..K of the TopK loss of the prefix reconstruction that uses latents 0..k-1."""
     dt = acc_dtype(weight, vals, bias, target)
     contrib = vals.to(dt).unsqueeze(-1) * weight[indices.long()].to(dt)  # [B, K, D]
     prefix = contrib.cumsum(1) - target.to(dt).unsqueeze(1)
     if bias is not None:
         prefix = prefix + bias.to(dt)
-    return scaled(prefix.square().sum() / max(prefix.numel(), 1), scale)
+    return prefix.square().sum() / max(prefix.numel(), 1)
 
 
 def sparse_linear(x, weight, indices, bias=None, x_shift=None):
