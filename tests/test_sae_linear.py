@@ -95,6 +95,25 @@ def _dense(x, w, i, b, s):
     return torch.nn.functional.linear(x - s, w, b).gather(1, i)
 
 
+@pytest.mark.parametrize("wide", ["bias", "shift", "x"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x-frozen"])
+def test_one_float64_input_makes_the_arithmetic_float64(wide, x_grad):
+    """Mixed dtypes: one float64 input among float32 ones gives float64 arithmetic throughout, as
+    documented, including x - x_shift and grad_x_shift with x frozen (a matrix-vector product)."""
+    x, weight, idx, bias, shift = make(6, 3, 7, 20, torch.float32)
+    inputs = dict(x=x, weight=weight, bias=bias, shift=shift)
+    inputs[wide] = inputs[wide].double()
+    frozen = () if x_grad else ("x",)
+    got = value_and_grads(sparsefuse.sparse_linear, inputs["x"], inputs["weight"], idx, inputs["bias"],
+                          inputs["shift"], frozen)
+    want = value_and_grads(ref.sparse_linear, *(inputs[n].double() for n in ("x", "weight")), idx,
+                           *(inputs[n].double() for n in ("bias", "shift")), frozen)
+    assert got[0].dtype == torch.float64
+    names = ["value"] + [n for n in inputs if n not in frozen]
+    for name, a, b in zip(names, got, want):  # each gradient is rounded to its input's dtype at the end
+        assert_close(a, b, a.dtype, name if name == "value" else f"grad_{name}")
+
+
 def test_matches_selected_entries_of_dense_linear():
     x, weight, idx, bias, shift = make(7, 5, 11, 30, torch.float64)
     torch.testing.assert_close(sparsefuse.sparse_linear(x, weight, idx, bias, shift), _dense(x, weight, idx, bias, shift))

@@ -140,6 +140,14 @@ def test_fvu_curve():
     assert abs(curve[5] - want) <= 1e-9 * want
 
 
+def test_fvu_curve_without_variance_is_nan():
+    """One row, or equal rows, have no variance to divide by: FVU is undefined (NaN), not ~1e300."""
+    m = _model(False)
+    for x in (_x(rows=1), _x(rows=1).repeat(4, 1)):
+        curve = m.fvu_curve(x)
+        assert list(curve) == [1, 2, 4, 5] and all(v != v for v in curve.values()), curve
+
+
 @pytest.mark.parametrize("ks", [[6], [0, 2], [2.0]])
 def test_fvu_curve_rejects_budgets_outside_1_to_k(ks):
     """k' = 6 > K = 5 used to decode with K latents and report it as k' = 6."""
@@ -373,6 +381,20 @@ def test_loss_with_auxk_matches_dense_math(encoder, n_dead):
     want = torch.autograd.grad(recon + 0.25 * auxk, list(m.parameters()))
     for (name, _), a, b in zip(m.named_parameters(), got, want):
         assert_close(a, b, torch.float64, f"grad {name}", scale=50)
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_auxk_residual_of_16bit_input_is_not_rounded(xdtype):
+    """AuxK's target e = x - x_hat is formed in float32, as the reconstruction loss forms its own:
+    a 16-bit x and the same values in float32 give the same losses (x_hat rounded to x's dtype first
+    moved the AuxK loss by ~2% here). Plain PyTorch paths, so 16-bit arithmetic is real on CPU too."""
+    m = _model(False, decoder="reference", dtype=torch.float32, auxk_alpha=0.25, dead_tokens=100)
+    m.tokens_since_fired[::3] = 1000
+    x = (_x(torch.float32) * 40).to(xdtype)  # large |x|: a 16-bit ulp of x_hat is far from small
+    low, high = m(x), m(x.float())
+    assert high.auxk_loss > 0
+    for name in ("recon_loss", "auxk_loss"):
+        assert_close(getattr(low, name), getattr(high, name), torch.float32, name)
 
 
 def test_dead_clock_boundary():

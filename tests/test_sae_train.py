@@ -82,6 +82,8 @@ def _write(tmp_path, name, x):
     ("ext", "unknown activations format '.txt'"),
     ("k", "k=40 is larger than n_latents=16"),
     ("batch", r"batch_size=32 is larger than the 18 training rows"),
+    ("few-rows", r"a\.npy holds 19 rows; at least 20 are needed to hold out 10% \(at least 2 rows\)"),
+    ("eval-rows", r"eval_rows must be >= 2 \(FVU needs the held-out rows' variance\), got 1"),
 ])
 def test_bad_input_messages(tmp_path, capsys, case, msg):
     args = ["train-sae", "--quiet", "--out", str(tmp_path / "o"), "--steps", "2", "--latents", "16"]
@@ -98,6 +100,10 @@ def test_bad_input_messages(tmp_path, capsys, case, msg):
         args += ["--data", str(tmp_path / "a.txt")]
     elif case == "batch":  # 20 rows, 2 held out: a batch of 32 would be the 18 rows, split unevenly under DDP
         args += ["--data", _write(tmp_path, "a.npy", np.ones((20, 4), np.float32)), "--batch-size", "32"]
+    elif case == "few-rows":  # 10% of 19 is one row, whose FVU would divide by zero variance
+        args += ["--data", _write(tmp_path, "a.npy", np.ones((19, 4), np.float32)), "--batch-size", "4"]
+    elif case == "eval-rows":
+        args += ["--eval-rows", "1"]
     else:
         args += ["--k", "40"]
     assert cli(args) == 2

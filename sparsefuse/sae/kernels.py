@@ -638,8 +638,14 @@ def row_dot(indices, weight, rows, fbias, out_dtype, acc):
     return out
 
 
-def _shifted(x, x_shift):
-    return x if x_shift is None else x - x_shift
+def _shifted(x, x_shift, acc):
+    """x - x_shift, formed in promote(x, x_shift) as ``F.linear(x - x_shift, ...)`` would form it, or
+    in ``acc`` when that is float64 and wider (a float64 bias, weight or gradient asks for float64)."""
+    if x_shift is None:
+        return x
+    if acc == torch.float64 and torch.promote_types(x.dtype, x_shift.dtype) != acc:
+        return x.to(acc) - x_shift.to(acc)
+    return x - x_shift
 
 
 def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
@@ -654,7 +660,8 @@ def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
         return values.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
     if bias is not None:
         bias = bias.contiguous()
-    return row_dot(indices, weight, _shifted(x, x_shift), bias, out_dtype, acc_dtype(x, weight, bias, x_shift))
+    acc = acc_dtype(x, weight, bias, x_shift)
+    return row_dot(indices, weight, _shifted(x, x_shift, acc), bias, out_dtype, acc)
 
 
 def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift):
@@ -679,12 +686,13 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     sums = torch.empty(F if need_sums else 0, device=x.device, dtype=acc)
     grad_weight = weight.new_empty(0)
     if need_weight or need_sums:
-        rows = _shifted(x, x_shift) if need_weight else x[:, :0]  # sums alone: the same pass with no columns
+        rows = _shifted(x, x_shift, acc) if need_weight else x[:, :0]  # sums alone: the same pass with no columns
         gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=sums if need_sums else None)
         if need_weight:
             grad_weight = gw
-    if need_shift and not need_x:
-        grad_shift = torch.mv(weight.t(), sums.to(weight.dtype)).to(acc).neg_()
+    if need_shift and not need_x:  # in the weight's dtype, or float64 (a float64 copy of the weight) when asked
+        mv_dtype = acc if acc == torch.float64 else weight.dtype
+        grad_shift = torch.mv(weight.t().to(mv_dtype), sums.to(mv_dtype)).to(acc).neg_()
     grad_bias = sums if need_bias else x.new_empty(0, dtype=acc)
     return grad_x, grad_weight, grad_bias, grad_shift
 

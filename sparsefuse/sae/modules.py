@@ -200,8 +200,11 @@ class TopKSAE(nn.Module):
 
     def _auxk_loss(self, x, xe, pre, indices, vals, topk_loss):
         dead = self.dead_mask()
+        # e = x - x_hat in float32 (float64 for float64 x), as the reconstruction loss forms it:
+        # rounding x_hat to a 16-bit x's dtype first would move a small e by up to half an ulp of x_hat
         with torch.no_grad():
-            resid = (x - self.decode(indices, vals).to(x.dtype)).detach()  # [B, D]
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            resid = x.to(acc) - self.decode(indices, vals).to(acc)  # [B, D]
         aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
         if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
             aux_vals = F.relu(sparse_linear(xe, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(xe.dtype),
@@ -250,14 +253,17 @@ class TopKSAE(nn.Module):
 
         ``FVU(k') = sum ||x - x_hat_k'||^2 / sum ||x - mean(x)||^2`` over all rows of ``x``, where
         ``x_hat_k'`` decodes the k' largest activations of the K-sparse code. Default ``ks``:
-        1, 2, 4, ... up to K (K included). Returns ``{k': fvu}``.
+        1, 2, 4, ... up to K (K included). Returns ``{k': fvu}``, NaN for every k' when the rows of
+        ``x`` have no variance (a single row, or all rows equal): FVU is undefined there.
         """
         ks = powers_of_two_upto(self.k) if ks is None else list(ks)
         bad = [kp for kp in ks if not isinstance(kp, int) or isinstance(kp, bool) or not 1 <= kp <= self.k]
         if bad:
             raise ValueError(f"ks must hold integers in [1, k] = [1, {self.k}], got {bad}")
         mean = x.double().mean(0)
-        total = float((x.double() - mean).square().sum().clamp_min(1e-300))
+        total = float((x.double() - mean).square().sum())
+        if not total > 0:
+            return dict.fromkeys(ks, math.nan)
         sse = dict.fromkeys(ks, 0.0)
         for start in range(0, x.shape[0], batch_size):
             xb = x[start:start + batch_size]

@@ -183,7 +183,12 @@ def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Ten
       only when x requires grad;
     * ``grad_x_shift = -sum_b grad_x[b] = -(grad_bias @ weight)``: a matrix-vector product when x is
       frozen (the SAE's pre-encoder bias ``b_dec`` goes here; with 16-bit weights the product runs
-      in their dtype).
+      in their dtype, and in float64, over a float64 copy of the weight, when another input is
+      float64).
+
+    ``x - x_shift`` is formed in ``promote_types(x.dtype, x_shift.dtype)``, as the dense
+    ``F.linear(x - x_shift, ...)`` that chose the latents forms it, or in float64 when any input is
+    float64.
 
     Args:
         x: ``[B, D]`` inputs.

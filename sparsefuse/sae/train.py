@@ -107,14 +107,14 @@ def _resolve_device(device: str) -> torch.device:
 def _load_data(cfg: TrainConfig):
     """(train [N, D], eval [M, D], ground-truth dictionary or None), on the CPU, float32."""
     if cfg.data is None:
-        n_eval = max(1, cfg.eval_rows)
-        x, G = synthetic_activations(cfg.n_samples + n_eval, cfg.d_model, cfg.n_features, cfg.mean_active,
+        x, G = synthetic_activations(cfg.n_samples + cfg.eval_rows, cfg.d_model, cfg.n_features, cfg.mean_active,
                                      cfg.noise, cfg.seed)
         return x[:cfg.n_samples], x[cfg.n_samples:], G
     x = load_activations(cfg.data)
     n_eval = min(cfg.eval_rows, x.shape[0] // 10)
-    if n_eval < 1:
-        return x, x, None
+    if n_eval < 2:  # FVU divides by the held-out rows' variance, which one row does not have
+        raise ValueError(f"{cfg.data} holds {x.shape[0]} rows; at least 20 are needed to hold out 10% "
+                         f"(at least 2 rows) for the FVU curve")
     return x[:-n_eval], x[-n_eval:], None
 
 
@@ -232,6 +232,8 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"k={cfg.k} is larger than n_latents={cfg.n_latents}")
     if cfg.steps < 1 or cfg.batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1, got steps={cfg.steps}, batch_size={cfg.batch_size}")
+    if cfg.eval_rows < 2:
+        raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
     train, eval_x, G = _load_data(cfg)
     if cfg.batch_size > train.shape[0]:  # a batch would be the whole set, uneven slices under DDP
         raise ValueError(f"batch_size={cfg.batch_size} is larger than the {train.shape[0]} training rows")
