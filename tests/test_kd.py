@@ -4,6 +4,7 @@ CPU tier: the Triton kernels under the interpreter (conftest), float32 and float
 GPU tier (-m gpu): bfloat16 and float16, real vocabulary sizes, torch.compile.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -228,6 +229,38 @@ def test_tail_when_the_student_puts_all_its_mass_on_the_slots(dtype):
     assert_close(got, want, dtype, "hidden loss")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["logits", "hidden"])
+def test_tail_gradient_stays_bounded_when_1_minus_q_is_clamped(dtype, form):
+    """A confident student: its mass off the K slots is below what lse_V - lse_K resolves, so 1 - Q
+    is clamped (float32 here), or K = V makes Q = 1 exactly (both dtypes). The clamped term passes no
+    gradient, as under autograd in the reference; (1 - P) / tiny once gave gradients of ~1e27 in
+    float32, and zeros for K = V."""
+    V, K = 40, 4
+    big = 20.0 if dtype == torch.float32 else 40.0  # off-slot mass ~1e-8 / ~1e-17: below an ulp of lse_V
+    for gap, k in ((big, K), (0.0, V)):
+        z = torch.zeros(2, V, dtype=torch.float64)
+        z[:, :k] = gap + torch.arange(k, dtype=torch.float64) * 0.1  # the slots far above the rest
+        ids = torch.arange(k).repeat(2, 1).to(DEVICE)
+        t = torch.log_softmax(torch.randn(2, k, generator=torch.Generator().manual_seed(0),
+                                          dtype=torch.float64), -1) + math.log(0.99)  # P = 0.99
+        t = t.to(DEVICE, dtype)
+        if form == "logits":
+            x = leaf(z.to(DEVICE, dtype))
+            args = (x, ids, t)
+            ours, theirs = sparsefuse.topk_kd_loss_from_logits, ref.topk_kd_loss_from_logits
+        else:  # hidden = the logits themselves through an identity LM head
+            x = leaf(z.to(DEVICE, dtype))
+            eye = torch.eye(V, dtype=dtype, device=DEVICE)
+            args = (x, eye, ids, t)
+            ours, theirs = sparsefuse.topk_kd_loss_from_hidden, ref.topk_kd_loss_from_hidden
+        got = torch.autograd.grad(ours(*args, normalize="tail"), [x])[0]
+        x_ref = leaf(x)
+        want = torch.autograd.grad(theirs(*((x_ref,) + args[1:]), normalize="tail")[0], [x_ref])[0]
+        assert got.abs().max() < 1, (gap, k, got.abs().max())
+        assert_close(got, want, dtype, f"grad (gap {gap}, K {k})")
+
+
 def test_tail_refuses_repeated_unmasked_ids():
     """A repeated id counts its student mass twice in Q, which can pass 1 (1 - Q clamped: a loss of
     33.9 and gradients of 5e36 in float32 once). Checked with the index checks (on for CPU tensors)."""
@@ -386,16 +419,37 @@ def test_retain_graph_backward_twice_from_hidden(normalize):
         assert torch.equal(x1, x0)
         assert_close(x1, 3 * x2, torch.float64, "grad")
         assert_close(x3, 2 * x2, torch.float64, "grad")
-    # .backward() accumulates into .grad, which may share storage with what the first backward returned
+    # .backward() accumulates into .grad, which may share storage with what the first backward
+    # returned: a second and a third backward still add exact multiples
     for weight in (0.0, 3.0):
         h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
         loss = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize,
                                                    lm_head_bias=b, chunk_size=4)
         loss.backward(retain_graph=True)
         first = [x.grad.clone() for x in (h, w, b)]
-        (loss * weight).backward()
+        (loss * weight).backward(retain_graph=True)
         for x, x0 in zip((h, w, b), first):
             assert_close(x.grad, (1 + weight) * x0, torch.float64, "accumulated grad")
+        (loss * 2).backward()
+        for x, x0 in zip((h, w, b), first):
+            assert_close(x.grad, (3 + weight) * x0, torch.float64, "third accumulated grad")
+    # .grad zeroed in place before a later backward (zero_grad(set_to_none=False)): where a .grad is
+    # the tensor the first backward returned (autograd took it over; it did for hidden here), the
+    # later backward is refused by name, else it is exact
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    loss = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize, lm_head_bias=b,
+                                               chunk_size=4)
+    loss.backward(retain_graph=True)
+    first = [x.grad.clone() for x in (h, w, b)]
+    for x in (h, w, b):
+        x.grad.zero_()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "a later backward through a retained graph rescales the gradients the first backward" in str(e), e
+    else:
+        for x, x0 in zip((h, w, b), first):
+            assert_close(x.grad, x0, torch.float64, "grad after zeroing")
 
 
 def _fp16_head_case():

@@ -109,13 +109,18 @@ def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr, ACC: tl.co
         else:
             b_d = b_lse_k - b_lse  # log Q <= 0
             if ACC == tl.float64:  # 1 - Q clamped to the smallest normal number of ACC (finfo.tiny)
-                b_omq = tl.maximum(-_expm1(b_d), 2.2250738585072014e-308)
+                b_tiny = 2.2250738585072014e-308
             else:
-                b_omq = tl.maximum(-_expm1(b_d), 1.1754943508222875e-38)
+                b_tiny = 1.1754943508222875e-38
+            b_omq = -_expm1(b_d)
+            m_clamped = b_omq < b_tiny
+            b_omq = tl.maximum(b_omq, b_tiny)
             b_omp = tl.maximum(1.0 - b_P, 0.0)
             b_log_omp = tl.log(tl.where(b_omp > 0, b_omp, 1.0))
             b_loss += tl.where(b_omp > 0, b_omp * (b_log_omp - tl.log(b_omq)), 0.0)
-            b_r = b_omp / b_omq
+            # a clamped 1 - Q passes no gradient (as the clamp does in the reference): r = (1 - P) / tiny
+            # would give slot and off-slot terms of ~1e36 that cancel only in exact arithmetic
+            b_r = tl.where(m_clamped, 0.0, b_omp / b_omq)
             b_A = b_P - b_r * tl.exp(b_d)
             b_corr = b_r[:, None] * tl.exp(b_s - b_lse[:, None]) - b_p
     b_corr = tl.where(m_valid, b_corr, 0.0)

@@ -370,7 +370,16 @@ class _HiddenFunction(torch.autograd.Function):
             # makes every returned gradient NaN instead (no host sync).
             used = (grad_tok != 0).any()
             grad_loss = torch.where(used, float("nan"), grad_tok.new_zeros(()) if grad_loss is None else grad_loss)
-        gh, gw, gb, applied = ctx.saved_tensors
+        # after a later backward, private copies (see below); else the saved gradients, whose version
+        # check refuses a backward after the caller changed the returned ones in place
+        try:
+            gh, gw, gb, applied = getattr(ctx, "private", None) or ctx.saved_tensors
+        except RuntimeError as e:
+            if "inplace" not in str(e):
+                raise
+            raise RuntimeError("topk_kd_loss_from_hidden: a later backward through a retained graph rescales the "
+                               "gradients the first backward returned, which were changed in place since (zeroed, "
+                               "clipped, or an optimizer step on .grad). Compute the loss again") from e
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (need_h and gh.dim() == 1) or (need_w and gw.dim() == 1) or (need_b and gb.numel() == 0):
             raise RuntimeError("topk_kd_loss_from_hidden: a gradient was not computed in the forward pass "
@@ -387,6 +396,12 @@ class _HiddenFunction(torch.autograd.Function):
                                    "computed: the first backward's incoming gradient was 0 (or not finite), and "
                                    "the gradients, computed in the forward pass and scaled in place by it, are "
                                    "lost. Compute the loss again")
+            if getattr(ctx, "private", None) is None and not torch.compiler.is_compiling():
+                # The caller holds the first backward's tensors, and autograd accumulates this
+                # backward's result into them when they became a leaf's .grad: keep copies of what
+                # they hold now, so that a third backward neither reads changed values nor trips
+                # the saved tensors' version check (copies only on this retain_graph path).
+                ctx.private = gh, gw, gb, applied = tuple(x.clone() for x in (gh, gw, gb, applied))
             f = grad_loss.to(applied.dtype) / applied
             gh, gw, gb = ((x.to(f.dtype) * fx).to(x.dtype) for x, fx in ((gh, f[0]), (gw, f[1]), (gb, f[1])))
         else:
@@ -417,9 +432,10 @@ def topk_kd_loss_from_hidden(
     weight's dtype). ``normalize="topk"`` without cross-entropy only reads the K weight rows of each
     token and never touches V. Gradients are computed in the forward pass (for an incoming
     gradient of 1) and rescaled in place on the device in the backward; a further backward through
-    a retained graph (``retain_graph=True``) scales copies instead, so it is exact too and leaves the
-    gradients already returned unchanged, unless the first backward's incoming gradient was 0 (the
-    in-place rescale then zeroed them): that later backward raises ``RuntimeError``. With float16
+    a retained graph (``retain_graph=True``) scales copies instead (the first such backward takes
+    them), so it is exact too and leaves the gradients already returned unchanged, unless the first
+    backward's incoming gradient was 0 (the in-place rescale then zeroed them) or the returned
+    gradients were changed in place before it: that later backward raises ``RuntimeError``. With float16
     inputs the forward computes the gradients at a per-token weight of 1 (the reduction's 1/count
     would make them subnormal) and, where they sum over tokens (weight and bias), scaled by a power
     of two at most the reduction's weight, so they stay within float16's range; the backward

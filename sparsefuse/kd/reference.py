@@ -25,6 +25,11 @@ dense part ``A * q_j`` over the whole vocab plus a correction ``corr_k`` at each
     full:  A = P,          corr_k = -p_k
     tail:  A = P - r * Q,  corr_k = r * q_{i_k} - p_k,   r = (1 - P) / (1 - Q)
 
+In floating point 1 - Q = -expm1(lse_K - lse_V) resolves a student mass off the slots down to
+about an ulp of lse_V (~1e-6 in float32 for logits of order 10); below that it rounds to 0 and is
+clamped to the dtype's smallest normal number: the tail term saturates, and passes no gradient
+(r = 0), as the clamp does under autograd.
+
 Slots sharing an id add up. A token with no unmasked slot has L = 0 and a zero gradient.
 """
 
@@ -179,7 +184,8 @@ def slot_terms(s_k, t, valid, lse_v, normalize: int):
             om_p = (1 - P).clamp_min(0)
             tiny = torch.finfo(P.dtype).tiny
             loss = loss + torch.where(om_p > 0, om_p * (om_p.clamp_min(tiny).log() - om_q.log()), zero)
-            r = om_p / om_q
+            # clamped, 1 - Q passes no gradient (as the clamp in _per_token): (1 - P) / tiny is ~1e36
+            r = torch.where(-torch.expm1(lse_k - lse_v) < tiny, zero, om_p / om_q)
             A = P - r * (lse_k - lse_v).exp()
             corr = r[:, None] * q - p
     corr = torch.where(valid, corr, torch.zeros_like(corr))
