@@ -682,6 +682,63 @@ def test_compat_aliases():
                        sparsefuse.hierarchical_sae_loss(idx, weight, vals, bias, target))
 
 
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_non_contiguous_bias(op, layout):
+    """A bias with a stride other than 1: every other element of a wider tensor, or one value
+    expanded (stride 0). The kernels index it with unit stride, so it is made contiguous first (it
+    was read as laid out: wrong values, and reads past a stride-0 bias's one element)."""
+    idx, weight, vals, bias, target = make(5, 3, 7, 9, torch.float32)
+    b = torch.stack([bias, -bias], 1)[:, 0] if layout == "strided" else bias[:1].expand(bias.shape[0])
+    w, v = weight.clone().requires_grad_(), vals.clone().requires_grad_()
+    w64, v64 = weight.double().requires_grad_(), vals.double().requires_grad_()
+    got = OPS[op][0](idx, w, v, b, target)
+    want = OPS[op][1](idx, w64, v64, b.double().contiguous(), target.double())
+    g_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+    assert_close(got, want, torch.float32, "value")
+    for name, a, e in zip(["weight", "vals"], torch.autograd.grad(got, [w, v], g_out.to(got.dtype)),
+                          torch.autograd.grad(want, [w64, v64], g_out)):
+        assert_close(a, e, torch.float32, f"grad_{name}")
+
+
+def test_cpu_reference_path_checks_indices_and_takes_d0_without_interpreter():
+    """Without TRITON_INTERPRET, CPU tensors take reference.py's split functions: they check the
+    index range as the kernels' launchers do (a -1 wrapped onto row F - 1 there), and D = 0 gives
+    zero gradients (a reshape(-1, 0) failed)."""
+    code = (
+        "import torch, sparsefuse, sparsefuse._registry as r; assert not r.INTERPRET\n"
+        "B, K, F = 3, 2, 4\n"
+        "idx = torch.tensor([[0, 1], [2, -1], [3, 0]])\n"
+        "w, v, b, t = torch.randn(F, 5), torch.rand(B, K), torch.randn(5), torch.randn(B, 5)\n"
+        "calls = [lambda: sparsefuse.sae_decode(idx, v, w, b), lambda: sparsefuse.topk_sae_loss(idx, w, v, b, t),\n"
+        "         lambda: sparsefuse.hierarchical_sae_loss(idx, w, v, b, t),\n"
+        "         lambda: sparsefuse.sparse_linear(t, w, idx, torch.randn(F), b)]\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except IndexError as e:\n"
+        "        assert 'indices holds -1, outside [0, 4)' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('no IndexError')\n"
+        "idx = idx.clamp_min(0)\n"
+        "w0, b0, t0 = torch.randn(F, 0, requires_grad=True), torch.randn(0), torch.randn(B, 0)\n"
+        "v0 = v.clone().requires_grad_()\n"
+        "for fn in (sparsefuse.topk_sae_loss, sparsefuse.hierarchical_sae_loss):\n"
+        "    gw, gv = torch.autograd.grad(fn(idx, w0, v0, b0, t0), [w0, v0])\n"
+        "    assert gw.shape == (F, 0) and not gv.any()\n"
+        "out = sparsefuse.sae_decode(idx, v0, w0, b0)\n"
+        "gw, gv = torch.autograd.grad(out.sum(), [w0, v0])\n"
+        "assert gw.shape == (F, 0) and not gv.any()\n"
+        "x0 = torch.randn(B, 0, requires_grad=True)\n"
+        "gx, gw = torch.autograd.grad(sparsefuse.sparse_linear(x0, w0, idx).sum(), [x0, w0])\n"
+        "assert gx.shape == (B, 0) and gw.shape == (F, 0)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def test_cpu_reference_path_without_interpreter():
     """Without TRITON_INTERPRET, CPU tensors take the exact PyTorch reference implementation."""
     code = (

@@ -547,6 +547,11 @@ def _launch(fn, grid, *args, num_warps, **meta):
     launch(fn, grid, args, meta, num_warps)
 
 
+def _contiguous(t):
+    """``t.contiguous()``, or None: the kernels index small operands (bias, target, vals) with unit stride."""
+    return None if t is None else t.contiguous()
+
+
 def _weight_strides(weight: torch.Tensor):
     return weight.stride(0), weight.stride(1)
 
@@ -560,6 +565,7 @@ def decode_fwd(indices, vals, weight, bias):
     if B == 0 or D == 0:
         return out.zero_()
     idx, v = indices.contiguous(), vals.contiguous()
+    bias = _contiguous(bias)
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=False))
     _launch(_sae_decode_fwd_kernel, (B, P),
         idx, v, weight, bias, None, out, None, None, 1, B, K, D, F, *_weight_strides(weight), cols,
@@ -749,8 +755,8 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     gv = torch.empty(P, B, K, device=vals.device, dtype=acc)
     row_loss = torch.empty(P, B, device=vals.device, dtype=acc)
     _launch(_sae_decode_fwd_kernel, (B, P),
-        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), resid, gv, row_loss, B * D,
-        B, K, D, F, *_weight_strides(weight), cols,
+        indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), resid, gv, row_loss,
+        B * D, B, K, D, F, *_weight_strides(weight), cols,
         HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **meta,
     )
     if parts < P:
@@ -797,7 +803,7 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     grid = _hier_grid(B, D, cfg)
     row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
     _launch(_hierarchical_sae_fwd_kernel, grid,
-        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, row_loss,
+        indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, row_loss,
         B, K, D, F, *_weight_strides(weight),
         HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **cfg,
     )
@@ -890,7 +896,7 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     grid = _hier_grid(B, D, cfg)
     row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
     _launch(_hierarchical_sae_bwd_kernel, grid,
-        indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, None, stage, gv,
+        indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, None, stage, gv,
         row_loss, B, K, D, F, *_weight_strides(weight), 0, D,
         HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=_tl_dtype(acc), **cfg,
     )
@@ -954,8 +960,8 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     else:
         gv = (torch.empty(n_tiles, B, K, device=vals.device, dtype=acc) if deterministic
               else torch.zeros(B, K, device=vals.device, dtype=acc))
-        args = (indices.contiguous(), vals.contiguous(), weight, bias, target.contiguous(), etot, gc, buf, gv, None,
-                B, K, D, F, *_weight_strides(weight))
+        args = (indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, gc, buf,
+                gv, None, B, K, D, F, *_weight_strides(weight))
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
                     ACC=_tl_dtype(acc), **cfg)
         for t0 in range(0, n_tiles, chunk):

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .._validate import check_index_range
+
 
 def acc_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
     """Accumulation dtype: float64 if any input is float64, else float32."""
@@ -70,6 +72,7 @@ def _scatter_rows(indices, rows, num_features):
 
 
 def sae_decode_fwd(indices, vals, weight, bias):
+    check_index_range("indices", indices, weight.shape[0])
     dt = acc_dtype(weight, vals, bias)
     out = torch.einsum("bk,bkd->bd", vals.to(dt), weight[indices.long()].to(dt))
     if bias is not None:
@@ -84,7 +87,7 @@ def sae_decode_bwd(grad, indices, vals, weight, need_weight_grad):
     grad_vals = torch.einsum("bkd,bd->bk", rows, g).to(vals.dtype)
     grad_bias = g.sum(0)
     if need_weight_grad:
-        per_entry = (vals.to(dt).unsqueeze(-1) * g.unsqueeze(1)).reshape(-1, g.shape[-1])
+        per_entry = (vals.to(dt).unsqueeze(-1) * g.unsqueeze(1)).reshape(indices.numel(), g.shape[-1])
         grad_weight = _scatter_rows(indices, per_entry, weight.shape[0]).to(weight.dtype)
     else:
         grad_weight = weight.new_empty(0)
@@ -93,6 +96,7 @@ def sae_decode_bwd(grad, indices, vals, weight, need_weight_grad):
 
 def topk_sae_loss_fwd(indices, weight, vals, bias, target):
     """Returns (loss, resid [B, D], gv [B, K]) with resid = recon - target, gv = <resid, w_idx>."""
+    check_index_range("indices", indices, weight.shape[0])
     dt = acc_dtype(weight, vals, bias, target)
     rows = weight[indices.long()].to(dt)
     resid = torch.einsum("bk,bkd->bd", vals.to(dt), rows) - target.to(dt)
@@ -108,7 +112,7 @@ def topk_sae_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_g
     grad_vals = (gv * scale).to(vals.dtype)
     grad_bias = resid.sum(0) * scale
     if need_weight_grad:
-        per_entry = (vals.to(resid.dtype).unsqueeze(-1) * resid.unsqueeze(1)).reshape(-1, resid.shape[-1])
+        per_entry = (vals.to(resid.dtype).unsqueeze(-1) * resid.unsqueeze(1)).reshape(indices.numel(), resid.shape[-1])
         grad_weight = (_scatter_rows(indices, per_entry, weight.shape[0]) * scale).to(weight.dtype)
     else:
         grad_weight = weight.new_empty(0)
@@ -118,6 +122,7 @@ def topk_sae_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_g
 def hierarchical_sae_loss_fwd(indices, weight, vals, bias, target):
     """Returns (loss, etot [B, D]) with prefix errors e_k = bias + sum_{j<=k} v_j w_j - target and
     etot = E_0 = sum_k e_k."""
+    check_index_range("indices", indices, weight.shape[0])
     dt = acc_dtype(weight, vals, bias, target)
     err = _prefix_errors(indices, weight, vals, bias, target, dt)
     return err.square().sum() / max(err.numel(), 1), err.sum(1)
@@ -138,7 +143,7 @@ def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, et
     grad_vals = torch.einsum("bkd,bkd->bk", suffix, weight[indices.long()].to(dt)).to(vals.dtype)
     grad_bias = etot.sum(0) * gc
     if need_weight_grad:
-        rows = (vals.to(dt).unsqueeze(-1) * suffix).reshape(-1, err.shape[-1])
+        rows = (vals.to(dt).unsqueeze(-1) * suffix).reshape(indices.numel(), err.shape[-1])
         grad_weight = _scatter_rows(indices, rows, weight.shape[0]).to(weight.dtype)
     else:
         grad_weight = weight.new_empty(0)
@@ -146,6 +151,7 @@ def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, et
 
 
 def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
+    check_index_range("indices", indices, weight.shape[0])
     out_dtype = x.dtype
     for t in (weight, bias, x_shift):
         if t is not None:
@@ -170,7 +176,7 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     grad_weight = weight.new_empty(0)
     if need_weight:
         xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
-        per_entry = (g.unsqueeze(-1) * xc.unsqueeze(1)).reshape(-1, x.shape[-1])
+        per_entry = (g.unsqueeze(-1) * xc.unsqueeze(1)).reshape(indices.numel(), x.shape[-1])
         grad_weight = _scatter_rows(indices, per_entry, F).to(weight.dtype)
     grad_bias = g.new_zeros(F).index_add_(0, indices.reshape(-1).long(), g.reshape(-1)) if need_bias else g.new_empty(0)
     return grad_x, grad_weight, grad_bias, grad_shift
