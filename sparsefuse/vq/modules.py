@@ -200,11 +200,15 @@ class ResidualVQ(VectorQuantizer):
         loss = flat.new_zeros((), dtype=torch.float32)
         for level in range(self.num_levels):
             codes, _ = nearest_code(resid, self.codebook[level], cosine=self.cosine, precision=self.precision)
-            q = F.embedding(codes, self.codebook[level])
+            # r_l = x - sg(q_0 + ... + q_{l-1}): the loss mean((r_l - q_l)^2) pulls x towards each partial
+            # reconstruction. Through quantize, whose op saves what its backward needs: built from
+            # the codebook buffer, torch.compile's partitioner recomputed r_l - q_l in the backward
+            # from the codebook as updated in place below (a wrong gradient for x)
+            q, level_loss = quantize(flat.float() - total, codes, self.codebook[level])
+            q = q.detach()
             inputs.append(resid)
             all_codes.append(codes)
-            # r_l = x - sg(q_0 + ... + q_{l-1}): the loss pulls x towards each partial reconstruction
-            loss = loss + ((flat.float() - total) - q).square().mean()
+            loss = loss + level_loss
             total = total + q
             resid = resid - q
         loss = loss * (self.commitment_weight / self.num_levels)

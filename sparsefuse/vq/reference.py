@@ -125,7 +125,9 @@ def draw_key(levels: int, device, generator=None) -> torch.Tensor:
 def ema_update(x, codes, codebook, cluster_size, embed_sum, counters=None, *, decay, active=False, eps=1e-5,
                threshold=0.0, reset=None, restart_after=0, key=None, row_picker="feistel", generator=None):
     """The whole update in place, the plain way (one-hot). Single level ([B, D], [B], [K, D], ...)
-    or stacked levels ([L, B, D], [L, B], [L, K, D], ...)."""
+    or stacked levels ([L, B, D], [L, B], [L, K, D], ...). The one-hot product multiplies each row
+    of x by 0 for every other code, so a NaN or inf in x reaches every code's sum (0 * NaN), where
+    the kernels and :func:`ema_accumulate` poison only its own code's: compare them on finite x."""
     single = codebook.dim() == 2
     if single:
         x, codes, codebook, cluster_size, embed_sum = (t.unsqueeze(0) for t in (x, codes, codebook, cluster_size,
@@ -265,15 +267,25 @@ def nearest_code(x, codebook, cosine=False):
     xf, cf = x.to(dt), codebook.to(dt)
     if cosine:
         cn = cf / cf.norm(dim=1, keepdim=True).clamp_min(1e-12)
-        score = -(xf @ cn.T)
+        score = -_dots(xf, cn)
         codes = score.argmin(1)
         best = score.gather(1, codes[:, None])[:, 0]
         dist = 2 + 2 * best / xf.norm(dim=1).clamp_min(1e-12)
         return codes, dist
-    score = (cf * cf).sum(1)[None, :] - 2 * (xf @ cf.T)
+    score = (cf * cf).sum(1)[None, :] - 2 * _dots(xf, cf)
     codes = score.argmin(1)
     dist = ((xf * xf).sum(1) + score.gather(1, codes[:, None])[:, 0]).clamp_min(0)
     return codes, dist
+
+
+def _dots(x, c, elements=1 << 22):
+    """x @ c.T [B, K], each entry summed over D in the same order: identical rows of c get identical
+    scores, so that ties really go to the lowest index (a BLAS product rounded duplicate codebook rows
+    differently, and a higher duplicate won). Row chunks of at most ``elements`` products."""
+    B, K = x.shape[0], c.shape[0]
+    step = max(1, elements // max(K * x.shape[1], 1))
+    return torch.cat([(x[i:i + step, None, :] * c[None]).sum(-1) for i in range(0, B, step)]) if B else \
+        x.new_zeros(0, K)
 
 
 def sqdist_matrix(x, codebook, cosine=False):
