@@ -388,6 +388,14 @@ def test_matches_dense_torch_formula(op):
         assert_close(a, b, torch.float64, f"{op} {name}")
 
 
+def _run_without_interpreter(code):
+    """Run ``code`` in a fresh Python without TRITON_INTERPRET (CPU tensors then take the ops'
+    PyTorch reference path); it must print ``ok`` last."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
 def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
     """Without TRITON_INTERPRET, CPU tensors take reference.py's split forward / backward functions;
     test_cpu_reference_path_without_interpreter checks the two losses there, this checks the decode
@@ -417,9 +425,7 @@ def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
         "         (rnd(B, D), rnd(F, D), rnd(F), rnd(D)), frozen)\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    _run_without_interpreter(code)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -734,9 +740,7 @@ def test_cpu_reference_path_checks_indices_and_takes_d0_without_interpreter():
         "assert gx.shape == (B, 0) and gw.shape == (F, 0)\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    _run_without_interpreter(code)
 
 
 def test_cpu_reference_path_without_interpreter():
@@ -745,9 +749,9 @@ def test_cpu_reference_path_without_interpreter():
         "import torch, sparsefuse, sparsefuse._registry as r; assert not r.INTERPRET\n"
         "from sparsefuse.bench.sae import check\n"
         "assert check()\n"
+        "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+    _run_without_interpreter(code)
 
 
 def test_bench_cli_without_gpu_runs_correctness_check():
