@@ -548,7 +548,7 @@ def _launch(fn, grid, *args, num_warps, **meta):
 
 
 def _contiguous(t):
-    """``t.contiguous()``, or None: the kernels index small operands (bias, target, vals) with unit stride."""
+    """``t.contiguous()``, or None: the kernels index a bias with unit stride."""
     return None if t is None else t.contiguous()
 
 
@@ -664,8 +664,7 @@ def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
             out_dtype = torch.promote_types(out_dtype, t.dtype)
     if values is not None:
         return values.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
-    if bias is not None:
-        bias = bias.contiguous()
+    bias = _contiguous(bias)
     acc = acc_dtype(x, weight, bias, x_shift)
     return row_dot(indices, weight, _shifted(x, x_shift, acc), bias, out_dtype, acc)
 
