@@ -203,7 +203,7 @@ class TopKSAE(nn.Module):
         # e = x - x_hat in float32 (float64 for float64 x), as the reconstruction loss forms it:
         # rounding x_hat to a 16-bit x's dtype first would move a small e by up to half an ulp of x_hat
         with torch.no_grad():
-            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            acc = reference.acc_dtype(x)
             resid = x.to(acc) - self.decode(indices, vals).to(acc)  # [B, D]
         aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
         if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
