@@ -15,8 +15,8 @@ for dtype in (torch.float32, torch.bfloat16):
         res = []
         for staged in (False, True):
             gv = torch.zeros(grid[1], B, K, device="cuda") if staged else torch.zeros(B, K, device="cuda")
-            f = lambda: kn._hierarchical_sae_bwd_kernel[grid](idx, v, w, b, tg, etot, g1, gw, gv, None, B, K, D, F, D, 1, 0,
-                D, HAS_BIAS=True, WEIGHT_GRAD=1, STAGED_GV=staged, FUSED=False, ACC=tl.float32, **cfg)
+            f = lambda: kn._hierarchical_sae_bwd_kernel[grid](idx, v, w, b, tg, etot, g1, gw, gv, None, 1, B, K, D, F,
+                D, 1, 0, D, HAS_BIAS=True, WEIGHT_GRAD=1, STAGED_GV=staged, FUSED=False, ACC=tl.float32, **cfg)
             f(); torch.cuda.synchronize()
             res.append(do_bench(f, warmup=20, rep=100))
         z = do_bench(lambda: torch.zeros(F, D, device="cuda"), warmup=20, rep=100)

@@ -142,7 +142,7 @@ def bwd_base(idx, v, w, b, tg, etot, gc, gw, gv):
     gv.zero_()
     cfg = kn._hier_config(D, 4, backward=True)
     kn._hierarchical_sae_bwd_kernel[kn._hier_grid(B, D, cfg)](
-        idx, v, w, b, tg, etot, gc, gw, gv, None, B, K, D, F, D, 1, 0, D, HAS_BIAS=True, WEIGHT_GRAD=1,
+        idx, v, w, b, tg, etot, gc, gw, gv, None, 1, B, K, D, F, D, 1, 0, D, HAS_BIAS=True, WEIGHT_GRAD=1,
         STAGED_GV=False, FUSED=False, ACC=tl.float32, **cfg)
 
 
@@ -153,9 +153,9 @@ def fwd_base(idx, v, w, b, tg):
     grid = kn._hier_grid(B, D, cfg)
     etot = torch.empty(B, D, device=w.device)
     rl = torch.empty(grid[1], B, device=w.device)
-    kn._hierarchical_sae_fwd_kernel[grid](idx, v, w, b, tg, etot, rl, B, K, D, F, D, 1, HAS_BIAS=True,
+    kn._hierarchical_sae_fwd_kernel[grid](idx, v, w, b, tg, etot, rl, B * K * D, B, K, D, F, D, 1, HAS_BIAS=True,
                                           ACC=tl.float32, **cfg)
-    return rl.sum() / (B * K * D), etot
+    return rl.sum(), etot
 
 
 def check(device, B, K, F, D, BLOCK_D, CHUNK):

@@ -542,7 +542,7 @@ def test_opcheck_hierarchical_fused_ops(need_weight, deterministic, dtype):
     _, etot, gv, stage = torch.ops.sparsefuse.hierarchical_sae_loss_grads(*args)
     mode = 0 if not need_weight else 2 if deterministic else 1
     torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_finish.default,
-                          (torch.tensor(0.5, device=DEVICE), idx, etot, gv, stage, 4, dtype, dtype, mode))
+                          (torch.tensor(0.5, device=DEVICE), idx, etot, gv, stage, 4, dtype, dtype, dtype, mode))
 
 
 @pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])

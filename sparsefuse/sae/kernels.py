@@ -9,7 +9,7 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
   once and produces the loss, the residual r = recon - target [B, D] and gv[b, k] = <r_b, w_idx>
   (on a (row, column group) grid whose programs in flight share one slice of the decoder in L2,
   each group writing its own part of gv; see ``_decode_config`` and ``topk_gv_parts``). The
-  backward's ``_topk_finish_kernel`` sums the parts into grad_vals and scales the bias gradient.
+  backward's ``_grads_finish_kernel`` sums the parts into grad_vals and scales the bias gradient.
   The backward never touches the decoder again: the weight gradient is a segmented sum of residual
   rows (``_sae_weight_grad_kernel``) over entries sorted by feature. The residual is B*D floats, so
   those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
@@ -248,10 +248,11 @@ def _load_latent_chunk(idx_ptr, vals_ptr, w_ptr, i_b, o_k, m_k, o_d, m_d, K, F, 
 
 
 @triton.jit
-def _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d, m_bd, B,
-                             K, D, F, stride_wf, stride_wd, ACC: tl.constexpr):
+def _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, numel, b_off, i_t, o_b, m_b, o_d, m_d,
+                             m_bd, B, K, D, F, stride_wf, stride_wd, ACC: tl.constexpr):
     """One sweep over the latents in order from the offset ``b_off`` (bias - target): the prefix
-    errors e_k, their squares summed into this tile's loss partials and their sum E_0 stored; returns E_0."""
+    errors e_k, their squares summed into this tile's loss partials (divided by ``numel``, so the
+    loss is their plain sum) and their sum E_0 stored; returns E_0."""
     b_e = b_off
     b_tot = tl.zeros(b_off.shape, dtype=ACC)
     b_loss = tl.zeros(b_off.shape, dtype=ACC)
@@ -262,7 +263,7 @@ def _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off
         b_loss += b_e * b_e
         b_tot += b_e
     tl.store(etot_ptr + o_b[:, None] * D + o_d[None, :], b_tot, mask=m_bd)
-    tl.store(loss_ptr + i_t * B + o_b, tl.sum(tl.where(m_bd, b_loss, 0.0), axis=1), mask=m_b)
+    tl.store(loss_ptr + i_t * B + o_b, tl.sum(tl.where(m_bd, b_loss, 0.0), axis=1) / numel, mask=m_b)
     return b_tot
 
 
@@ -274,7 +275,8 @@ def _hierarchical_sae_fwd_kernel(
     bias_ptr,  # [D] (HAS_BIAS)
     tgt_ptr,  # [B, D]
     etot_ptr,  # [B, D] ACC out: E_0 = sum_k e_k
-    loss_ptr,  # [cdiv(D, BLOCK_D), B] ACC out: sum over the tile's columns and all k of e_k^2
+    loss_ptr,  # [cdiv(D, BLOCK_D), B] ACC out: sum over the tile's columns and all k of e_k^2 / numel
+    numel,  # B * K * D: the loss is a mean (an integer, so float64 gets an exact divisor)
     B,
     K,
     D,
@@ -299,8 +301,8 @@ def _hierarchical_sae_fwd_kernel(
     m_b, m_d = o_b < B, o_d < D
     m_bd = m_b[:, None] & m_d[None, :]
     b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)
-    _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d, m_bd, B, K,
-                             D, F, stride_wf, stride_wd, ACC)
+    _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, numel, b_off, i_t, o_b, m_b, o_d, m_d, m_bd,
+                             B, K, D, F, stride_wf, stride_wd, ACC)
 
 
 @triton.jit
@@ -316,6 +318,7 @@ def _hierarchical_sae_bwd_kernel(
     #          3: [B * K, DC] staged rows of this launch's column chunk, unscaled, in the weight's dtype
     gv_ptr,  # STAGED_GV: [cdiv(D, BLOCK_D), B, K] ACC per-tile partials; else [B, K] ACC zeroed, atomic
     loss_ptr,  # FUSED: [cdiv(D, BLOCK_D), B] ACC out, as in the forward kernel
+    numel,  # FUSED: B * K * D, as in the forward kernel
     B,
     K,
     D,
@@ -358,8 +361,8 @@ def _hierarchical_sae_bwd_kernel(
     m_bd = m_b[:, None] & m_d[None, :]
     b_off = _hierarchical_offset(tgt_ptr, bias_ptr, o_b, o_d, m_bd, m_d, D, HAS_BIAS, ACC)  # [1, BLOCK_D]
     if FUSED:
-        b_s = _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, b_off, i_t, o_b, m_b, o_d, m_d,
-                                       m_bd, B, K, D, F, stride_wf, stride_wd, ACC)  # E_0
+        b_s = _hierarchical_loss_sweep(idx_ptr, vals_ptr, w_ptr, etot_ptr, loss_ptr, numel, b_off, i_t, o_b, m_b, o_d,
+                                       m_d, m_bd, B, K, D, F, stride_wf, stride_wd, ACC)  # E_0
         gc = tl.full([], 1.0, ACC)
         gs = gc
     else:
@@ -503,12 +506,12 @@ def _scale_cast_kernel(
 
 
 @triton.jit
-def _topk_finish_kernel(
-    gv_ptr,  # [P, BK] ACC: the column groups' parts of gv (_sae_decode_fwd_kernel)
+def _grads_finish_kernel(
+    gv_ptr,  # [P, BK] ACC: parts of gv (TopK's column groups, or the hierarchical sweep's D tiles)
     gvals_ptr,  # [BK] out, vals dtype
-    colsum_ptr,  # [D] ACC: sum_b resid[b]
+    colsum_ptr,  # [D] ACC: sum_b resid[b] (TopK) or sum_b E_0[b] (hierarchical)
     gbias_ptr,  # [D] out, bias dtype
-    gc_ptr,  # [] ACC: g * 2 / (B * D)
+    gc_ptr,  # [] ACC: g * c (c = 2 / (B * D) for TopK, 2 / (B * K * D) for the hierarchical loss)
     P,
     BK,
     D,
@@ -777,7 +780,7 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad,
     n_vals = cdiv(B * K, _FINISH_BLOCK)
     grid = n_vals + cdiv(D, _FINISH_BLOCK)
     if grid:
-        _launch(_topk_finish_kernel, (grid,), gv, grad_vals, resid.sum(0), grad_bias, gc, gv.shape[0], B * K, D,
+        _launch(_grads_finish_kernel, (grid,), gv, grad_vals, resid.sum(0), grad_bias, gc, gv.shape[0], B * K, D,
                 n_vals, ACC=_tl_dtype(resid.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
     grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
                    if need_weight_grad else weight.new_empty(0))
@@ -803,10 +806,10 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
     _launch(_hierarchical_sae_fwd_kernel, grid,
         indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, row_loss,
-        B, K, D, F, *_weight_strides(weight),
+        B * K * D, B, K, D, F, *_weight_strides(weight),
         HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **cfg,
     )
-    return row_loss.sum() / (B * K * D), etot
+    return row_loss.sum(), etot
 
 
 def _stage_tiles(F: int, D: int, BK: int, itemsize: int, block_d: int) -> int:
@@ -896,23 +899,27 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     row_loss = torch.empty(grid[1], B, device=vals.device, dtype=acc)
     _launch(_hierarchical_sae_bwd_kernel, grid,
         indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, None, stage, gv,
-        row_loss, B, K, D, F, *_weight_strides(weight), 0, D,
+        row_loss, B * K * D, B, K, D, F, *_weight_strides(weight), 0, D,
         HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=_tl_dtype(acc), **cfg,
     )
-    return row_loss.sum() / (B * K * D), etot, gv, stage
+    return row_loss.sum(), etot, gv, stage
 
 
-def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
-    """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC) from the fused
-    forward's unscaled results, scaled by g * c (g = grad_loss, a device scalar: no host sync).
+def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, bias_dtype,
+                              mode):
+    """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ``bias_dtype``) from the
+    fused forward's unscaled results, scaled by g * c (g = grad_loss, a device scalar: no host sync).
     Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged)."""
     B, D = etot.shape
     K = gv.shape[-1]
-    c = 2.0 / max(B * K * D, 1)
-    g = grad_loss.to(etot.dtype)
-    gc = g * c
-    grad_bias = etot.sum(0).mul_(gc)
-    grad_vals = (gv.sum(0) if gv.shape[0] > 1 else gv[0]).mul(gc).to(vals_dtype)  # gv has >= 1 slot
+    gc = grad_loss.to(etot.dtype) * (2.0 / max(B * K * D, 1))
+    grad_vals = torch.empty(B, K, device=etot.device, dtype=vals_dtype)
+    grad_bias = torch.empty(D, device=etot.device, dtype=bias_dtype)
+    n_vals = cdiv(B * K, _FINISH_BLOCK)
+    grid = n_vals + cdiv(D, _FINISH_BLOCK)
+    if grid:  # gv's parts summed and both scaled in one launch, as for TopK
+        _launch(_grads_finish_kernel, (grid,), gv, grad_vals, etot.sum(0), grad_bias, gc, gv.shape[0], B * K, D,
+                n_vals, ACC=_tl_dtype(etot.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
@@ -960,7 +967,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         gv = (torch.empty(n_tiles, B, K, device=vals.device, dtype=acc) if deterministic
               else torch.zeros(B, K, device=vals.device, dtype=acc))
         args = (indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, gc, buf,
-                gv, None, B, K, D, F, *_weight_strides(weight))
+                gv, None, 1, B, K, D, F, *_weight_strides(weight))
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
                     ACC=_tl_dtype(acc), **cfg)
         for t0 in range(0, n_tiles, chunk):

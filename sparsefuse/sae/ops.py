@@ -390,19 +390,19 @@ def _hier_grads_fake(indices, weight, vals, bias, target, need_weight_grad, dete
             vals.new_empty(shape, dtype=stage_dtype))
 
 
-def _hier_finish_fake(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, mode):
+def _hier_finish_fake(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, bias_dtype, mode):
     B, D = etot.shape
     grad_weight = etot.new_empty((num_features, D) if mode else (0,), dtype=weight_dtype)
-    return etot.new_empty(B, gv.shape[-1], dtype=vals_dtype), grad_weight, etot.new_empty(D)
+    return etot.new_empty(B, gv.shape[-1], dtype=vals_dtype), grad_weight, etot.new_empty(D, dtype=bias_dtype)
 
 
 @register_op("hierarchical_sae_loss_finish", fake=_hier_finish_fake)
 def _hier_finish_op(
     grad_loss: Tensor, indices: Tensor, etot: Tensor, gv: Tensor, stage: Tensor, num_features: int,
-    weight_dtype: torch.dtype, vals_dtype: torch.dtype, mode: int,
+    weight_dtype: torch.dtype, vals_dtype: torch.dtype, bias_dtype: torch.dtype, mode: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return kernels.hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype,
-                                             vals_dtype, mode)
+                                             vals_dtype, bias_dtype, mode)
 
 
 def _hier_grads_setup(ctx, inputs, output):
@@ -426,11 +426,11 @@ def _hier_grads_backward(ctx, grad_loss, _grad_etot, _grad_gv, _grad_stage):
     gvals = gw = gb = gt = None
     if need_weight or need_vals or need_bias:
         gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
-                                        ctx.mode if need_weight else 0)
+                                        bias_dtype or etot.dtype, ctx.mode if need_weight else 0)
     if need_target:
         gt = _target_grad(grad_loss, etot, etot.numel() * indices.shape[1], target_dtype)
-    return (None, gw if need_weight else None, gvals if need_vals else None,
-            gb.to(bias_dtype) if need_bias else None, gt, None, None)
+    return (None, gw if need_weight else None, gvals if need_vals else None, gb if need_bias else None, gt, None,
+            None)
 
 
 @register_op("hierarchical_sae_loss_grads", fake=_hier_grads_fake, backward=_hier_grads_backward,
