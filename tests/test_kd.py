@@ -864,6 +864,32 @@ def test_weight_grad_interleaved_tiles():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16],
+                         ids=lambda d: str(d)[6:])
+def test_weight_grad_of_16_bit_hidden_keeps_the_fp32_slot_gradients(dtype):
+    """16-bit hidden states meet the fp32 slot gradients g on the matrix unit as g's 16-bit head plus
+    its 16-bit remainder, so the products carry g to about 2^-22 (fp16) or 2^-16 (bf16) of itself.
+    g = 1 + O(1e-3) has no 16-bit value: without the remainder each product is off by up to 2^-12
+    (fp16) or 2^-9 (bf16) of itself. (bf16 only on a GPU: the interpreter's bf16 arithmetic is not
+    exact.)"""
+    from sparsefuse.kd import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    N, H, V, K = 29, 5, 37, 4
+    ids = torch.randint(0, V, (N, K), generator=gen)
+    mask = torch.ones(N, K, dtype=torch.bool)
+    h = torch.randn(N, H, generator=gen).to(dtype)
+    g = 1 + 1e-3 * torch.randn(N, K, generator=gen)
+    ids, mask, h, g = (t.to(DEVICE) for t in (ids, mask, h, g))
+    got = kernels.lm_weight_grad(ids, mask, g, h, V, torch.float32).double()
+    terms = g.double()[..., None] * h.double()[:, None, :]
+    flat = ids.reshape(-1)
+    want = torch.zeros(V, H, dtype=torch.float64, device=DEVICE).index_add_(0, flat, terms.reshape(-1, H))
+    scale = torch.zeros(V, H, dtype=torch.float64, device=DEVICE).index_add_(0, flat, terms.abs().reshape(-1, H))
+    err = ((got - want).abs() / scale.clamp_min(1e-30)).max().item()
+    assert err < (2e-6 if dtype == torch.float16 else 1e-4), err
+
+
 def test_missing_targets_are_named():
     d = make(5, 3, 37, dtype=torch.float32)
     z, ids, t, m = d["z"], d["ids"], d["t"], d["m"]

@@ -458,6 +458,48 @@ def test_weight_grad_long_segments(monkeypatch, weighted, row_per_entry):
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
+def test_weight_grad_takes_whole_chunks_only_from_their_partial_sums(monkeypatch):
+    """The per-feature walk must add a whole single-feature chunk through its partial sum, never entry
+    by entry (the skew fix: a dense latent's walk would be the step's critical path again), and the
+    chunk kernel must leave chunks that hold several features untouched. After the partial sums are
+    taken, the rows of every entry in a whole chunk turn NaN: the result must still be index_add's
+    over the original rows, and the mixed chunks' partial sums must still be the NaN torch.empty
+    gives them here (conftest). Features 0 and F - 1 fill chunks from the first sorted entry and up
+    to the last, so whole chunks at both ends of the entries are covered. One row per entry (the
+    staged layout), so that poisoning an entry's row touches no other entry; the walk is the same
+    device function for the [B, D] layout."""
+    from sparsefuse import _segsum
+    from sparsefuse.sae import kernels
+
+    monkeypatch.setattr(_segsum, "MIN_CHUNK", 4)
+    B, K, F, D = 16, 3, 9, 5
+    idx, _, vals, _, target = make(B, K, F, D, torch.float64)
+    idx[:, 0], idx[:, 2] = 0, F - 1  # 16 entries each: whole chunks at the start and the end
+    idx[:, 1] = torch.arange(B, device=DEVICE) % (F - 2) + 1
+    rows = target.repeat_interleave(K, dim=0)
+    seen = []
+
+    def partials_then_poison(sorted_keys, order, weights, rows_, row_div, chunk, *args):
+        part, wpart = _segsum.chunk_partials(sorted_keys, order, weights, rows_, row_div, chunk, *args)
+        keys = sorted_keys.reshape(-1)
+        n_whole = keys.numel() // chunk
+        single = [bool((keys[c * chunk:(c + 1) * chunk] == keys[c * chunk]).all()) for c in range(n_whole)]
+        for c in range(n_whole):
+            if single[c]:
+                rows_[order.reshape(-1)[c * chunk:(c + 1) * chunk] // row_div] = float("nan")
+            else:
+                assert part[0, c].isnan().all(), f"chunk {c} holds several features but got a partial sum"
+        seen.append(single)
+        return part, wpart
+
+    monkeypatch.setattr(kernels, "chunk_partials", partials_then_poison)
+    got = kernels.weight_grad(idx, rows.clone(), vals, F, torch.float64, row_per_entry=True)
+    assert seen and seen[0][0] and seen[0][-1] and not all(seen[0])  # whole chunks at both ends, and mixed ones
+    want = torch.zeros(F, D, dtype=torch.float64, device=DEVICE).index_add_(
+        0, idx.reshape(-1), vals.reshape(-1, 1) * target.repeat_interleave(K, dim=0))
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("op", ["decode", "topk", "hierarchical"])
 def test_dense_latents_match_fp64_reference(monkeypatch, op):
     """Every op whose weight gradient is a segmented sum (deterministic mode for Hierarchical), with
