@@ -769,19 +769,27 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
 _FINISH_BLOCK = 1024
 
 
+def _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype):
+    """(grad_vals [B, K] in ``vals_dtype``, grad_bias [D] in ``bias_dtype``) = gc * (sum of gv's parts,
+    colsum), in one ``_grads_finish_kernel`` launch (gv is [P, B, K] ACC, colsum [D] ACC)."""
+    P, B, K = gv.shape
+    D = colsum.shape[0]
+    grad_vals = torch.empty(B, K, device=gv.device, dtype=vals_dtype)
+    grad_bias = torch.empty(D, device=gv.device, dtype=bias_dtype)
+    n_vals = cdiv(B * K, _FINISH_BLOCK)
+    grid = n_vals + cdiv(D, _FINISH_BLOCK)
+    if grid:
+        _launch(_grads_finish_kernel, (grid,), gv, grad_vals, colsum, grad_bias, gc, P, B * K, D, n_vals,
+                ACC=_tl_dtype(colsum.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
+    return grad_vals, grad_bias
+
+
 def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
     """Gradients of the TopK loss scaled by grad_loss (a device scalar: no host sync): grad_vals in
     vals' dtype, grad_weight in weight's, grad_bias in ``bias_dtype``."""
     B, D = resid.shape
-    K = indices.shape[1]
     gc = grad_loss.to(resid.dtype) * (2.0 / max(B * D, 1))
-    grad_vals = torch.empty(B, K, device=resid.device, dtype=vals.dtype)
-    grad_bias = torch.empty(D, device=resid.device, dtype=bias_dtype)
-    n_vals = cdiv(B * K, _FINISH_BLOCK)
-    grid = n_vals + cdiv(D, _FINISH_BLOCK)
-    if grid:
-        _launch(_grads_finish_kernel, (grid,), gv, grad_vals, resid.sum(0), grad_bias, gc, gv.shape[0], B * K, D,
-                n_vals, ACC=_tl_dtype(resid.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
+    grad_vals, grad_bias = _finish_vals_bias(gv, resid.sum(0), gc, vals.dtype, bias_dtype)
     grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
                    if need_weight_grad else weight.new_empty(0))
     return grad_vals, grad_weight, grad_bias
@@ -913,13 +921,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
     B, D = etot.shape
     K = gv.shape[-1]
     gc = grad_loss.to(etot.dtype) * (2.0 / max(B * K * D, 1))
-    grad_vals = torch.empty(B, K, device=etot.device, dtype=vals_dtype)
-    grad_bias = torch.empty(D, device=etot.device, dtype=bias_dtype)
-    n_vals = cdiv(B * K, _FINISH_BLOCK)
-    grid = n_vals + cdiv(D, _FINISH_BLOCK)
-    if grid:  # gv's parts summed and both scaled in one launch, as for TopK
-        _launch(_grads_finish_kernel, (grid,), gv, grad_vals, etot.sum(0), grad_bias, gc, gv.shape[0], B * K, D,
-                n_vals, ACC=_tl_dtype(etot.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
+    grad_vals, grad_bias = _finish_vals_bias(gv, etot.sum(0), gc, vals_dtype, bias_dtype)
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
