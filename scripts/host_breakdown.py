@@ -19,7 +19,7 @@ rows = {
     "kernels.topk_loss_fwd": lambda: kn.topk_loss_fwd(idx, w, v, b, t),
     "kernels.topk_loss_bwd": lambda: kn.topk_loss_bwd(g, idx, v, w, resid, gv, True, b.dtype),
     "kernels.weight_grad": lambda: kn.weight_grad(idx, resid, v, 1024, torch.float32, scale=g),
-    "_check_inputs": lambda: sf.sae.ops._check_inputs(idx, w, v, b, t),
+    "_check_loss_inputs": lambda: sf.sae.ops._check_loss_inputs(idx, w, v, b, t),
     "hier fwd+bwd": lambda: torch.autograd.grad(sf.hierarchical_sae_loss(idx, w, v, b, t), ps),
 }
 for name, fn in rows.items():

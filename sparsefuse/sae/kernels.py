@@ -789,9 +789,12 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad,
     vals' dtype, grad_weight in weight's, grad_bias in ``bias_dtype``."""
     B, D = resid.shape
     gc = grad_loss.to(resid.dtype) * (2.0 / max(B * D, 1))
-    grad_vals, grad_bias = _finish_vals_bias(gv, resid.sum(0), gc, vals.dtype, bias_dtype)
+    colsum = resid.sum(0)  # before the F x D gradient exists: a row sum this size holds a ~2 B*D transient
     grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
                    if need_weight_grad else weight.new_empty(0))
+    # queued behind the weight gradient's kernel: where the host is slower than the GPU (small
+    # steps), this launch then overlaps that kernel instead of delaying it
+    grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals.dtype, bias_dtype)
     return grad_vals, grad_weight, grad_bias
 
 
@@ -921,7 +924,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
     B, D = etot.shape
     K = gv.shape[-1]
     gc = grad_loss.to(etot.dtype) * (2.0 / max(B * K * D, 1))
-    grad_vals, grad_bias = _finish_vals_bias(gv, etot.sum(0), gc, vals_dtype, bias_dtype)
+    colsum = etot.sum(0)  # before the weight gradient is allocated, as in topk_loss_bwd
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
@@ -932,6 +935,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
                     ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
     else:
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
+    grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype)  # behind the long launch
     return grad_vals, grad_weight, grad_bias
 
 
