@@ -789,11 +789,14 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad,
     vals' dtype, grad_weight in weight's, grad_bias in ``bias_dtype``."""
     B, D = resid.shape
     gc = grad_loss.to(resid.dtype) * (2.0 / max(B * D, 1))
-    colsum = resid.sum(0)  # before the F x D gradient exists: a row sum this size holds a ~2 B*D transient
+    # the column sum first, while no F x D gradient exists: PyTorch's sum over rows can hold a
+    # transient of about 2 B*D floats (72 MiB at B = 4096, D = 2304), which would add to the peak
+    colsum = resid.sum(0)
     grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
                    if need_weight_grad else weight.new_empty(0))
-    # queued behind the weight gradient's kernel: where the host is slower than the GPU (small
-    # steps), this launch then overlaps that kernel instead of delaying it
+    # queued behind the weight gradient's kernel, so that where the host lags the GPU (small steps)
+    # this launch's host time overlaps that kernel (a few tens of us; within the noise of an H200
+    # host in benchmarks/NOTES.md, session 21)
     grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals.dtype, bias_dtype)
     return grad_vals, grad_weight, grad_bias
 
