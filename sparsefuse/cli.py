@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 
 import torch
+
+from ._registry import INTERPRET
 
 
 def _bench(args) -> int:
@@ -17,15 +21,27 @@ def _bench(args) -> int:
         print(f"unknown benchmark family {unknown}; choose from {', '.join(FAMILIES)}", file=sys.stderr)
         return 2
     if args.render:
+        out, readme = args.out or harness.RESULTS_DIR, "README.md" if args.readme is None else args.readme
         for name in names:
-            print(family(name).render(args.out, args.readme) or f"no results for {name} in {args.out}")
+            print(family(name).render(out, readme) or f"no results for {name} in {out}")
         return 0
     if not torch.cuda.is_available():
+        if not INTERPRET:
+            # CPU tensors take the PyTorch reference unless the Triton interpreter was on at import:
+            # the check runs in a process that has it, so that it exercises the kernels
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            return subprocess.run([sys.executable, "-m", "sparsefuse", "bench", *names], env=env).returncode
         print("No CUDA GPU found: sparsefuse benchmarks time GPU kernels, so nothing is timed here.\n"
-              "Running a small correctness check of the ops on the CPU instead:")
+              "Running a small correctness check of the ops' Triton kernels on the CPU (Triton's interpreter, "
+              "TRITON_INTERPRET=1) against the float64 reference instead:")
         ok = all([family(name).check() for name in names])
         print("all checks passed" if ok else "SOME CHECKS FAILED")
         return 0 if ok else 1
+    if args.quick:  # a smoke run: its own folder, and the README's tables stay those of the full run
+        args.out = args.out or os.path.join(harness.RESULTS_DIR, "quick")
+        args.readme = args.readme or ""
+    args.out = args.out or harness.RESULTS_DIR
+    args.readme = "README.md" if args.readme is None else args.readme
     for name in names:
         mod = family(name)
         print(f"== {name} on {harness.gpu_name()}")
@@ -43,9 +59,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="time the fused ops against PyTorch eager and torch.compile")
     bench.add_argument("families", nargs="*", help="which families (default: all)")
-    bench.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
-    bench.add_argument("--out", default="benchmarks/results", help="results folder (JSON, Markdown, PNG)")
-    bench.add_argument("--readme", default="README.md", help="README whose bench tables are rewritten")
+    bench.add_argument("--quick", action="store_true",
+                       help="small shapes, for a smoke run (saved under benchmarks/results/quick; README untouched)")
+    bench.add_argument("--out", default=None, help="results folder (JSON, Markdown, PNG); default benchmarks/results")
+    bench.add_argument("--readme", default=None,
+                       help="README whose bench tables are rewritten (default README.md; '' for none)")
     bench.add_argument("--render", action="store_true", help="only rebuild tables and plots from saved results")
     bench.set_defaults(func=_bench)
     train = sub.add_parser("train-sae", help="train a TopK / Hierarchical SAE (default: small synthetic run)")

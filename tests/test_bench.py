@@ -146,11 +146,11 @@ def test_gbps_counts_the_traffic_the_docstrings_state():
         assert c.bytes_moved == (B * K * D + B * D + F * D) * {"fp32": 4, "bf16": 2}[c.dtype]
 
 
-def _res(op, provider, shape, ms, dtype="fp32"):
+def _res(op, provider, shape, ms, dtype="fp32", run="", gpu="GPU"):
     from sparsefuse.bench import harness
 
     return harness.Result(op=op, provider=provider, shape=shape, dtype=dtype, mode="full", ms=ms, ms_q20=ms,
-                          ms_q80=ms, peak_extra_mib=1.0, gpu="GPU")
+                          ms_q80=ms, peak_extra_mib=1.0, gpu=gpu, run=run)
 
 
 def test_sae_table_tells_a_quick_run_from_the_full_one(tmp_path):
@@ -322,6 +322,7 @@ def test_measure_reports_the_median_and_quantiles(monkeypatch):
                         make=lambda: (lambda: out), bytes_moved=6 * 10**9, flops=4 * 10**12)
     res = harness.measure(case)
     assert (res.ms, res.ms_q20, res.ms_q80, res.device_ms) == (2.0, 0.5, 8.0, 0.5)
+    assert res.run == harness.RUN != ""
     assert res.gbps == pytest.approx(3000.0) and res.tflops == pytest.approx(2000.0)
     assert res.peak_extra_mib == pytest.approx(3.0) and "peak_below_results_mib" not in res.extra
     peak[0] = 2**19
@@ -428,6 +429,103 @@ def test_save_replaces_an_earlier_result_with_the_same_key(tmp_path):
     harness.save([_res("op", "sparsefuse", {"K": 8}, 2.0)], "fam", str(tmp_path))
     got = {(r.provider, r.ms) for r in harness.load("fam", str(tmp_path))}
     assert got == {("sparsefuse", 2.0), ("torch", 3.0)}
+
+
+def test_a_row_measured_again_keeps_no_result_of_another_run(tmp_path):
+    """A later run that lost a baseline (out of memory, not installed, another GPU) must not be
+    compared with the earlier run's baseline: the row shows the baseline as missing. Results of one
+    run, saved case by case, still merge; rows the new run did not measure stay; no temp file stays."""
+    shape, other = {"K": 8}, {"K": 16}
+    harness.save([_res("op", "sparsefuse", shape, 1.0, run="a", gpu="H200"), _res("op", "torch", shape, 4.0, run="a",
+                  gpu="H200"), _res("op", "torch", other, 9.0, run="a", gpu="H200")], "fam", str(tmp_path))
+    harness.save([_res("op", "sparsefuse", shape, 2.0, run="b", gpu="H100")], "fam", str(tmp_path))
+    harness.save([_res("op", "torch.compile", shape, 3.0, run="b", gpu="H100")], "fam", str(tmp_path))
+    got = {(r.provider, r.shape["K"], r.ms) for r in harness.load("fam", str(tmp_path))}
+    assert got == {("sparsefuse", 8, 2.0), ("torch.compile", 8, 3.0), ("torch", 16, 9.0)}
+    row = _table_rows(harness.speedup_table(harness.load("fam", str(tmp_path))))[0]
+    assert row["torch ms"] == "—" and row["vs torch.compile"] == "**1.50×**"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fam.json"]
+
+
+def test_a_slower_baseline_is_bold_and_a_faster_one_is_not():
+    rows = _table_rows(harness.speedup_table([_res("op", "sparsefuse", {"K": 8}, 2.0), _res("op", "torch", {"K": 8}, 4.0),
+                                              _res("op", "torch.compile", {"K": 8}, 1.0)]))
+    assert rows[0]["vs torch"] == "**2.00×**" and rows[0]["vs torch.compile"] == "0.50×"
+
+
+def test_plot_bars_keep_a_quick_run_apart_from_the_full_one():
+    """The plot took the first result with the same K, so a --quick run saved beside the full one
+    drew its times as the full shape's."""
+    full, quick = dict(B=4096, K=32), dict(B=1024, K=32)
+    sub = [_res("topk", "sparsefuse", full, 0.8), _res("topk", "sparsefuse", quick, 0.1), _res("topk", "torch", full, 3.0)]
+    xs, bars, alone = harness._bars(sub, "K")
+    assert not alone and xs == ["B=1024 K=32", "B=4096 K=32"]
+    assert bars["sparsefuse"] == [0.1, 0.8] and bars["torch"][1] == 3.0 and bars["torch"][0] != bars["torch"][0]
+    xs, bars, alone = harness._bars([r for r in sub if r.shape == full], "K")
+    assert alone and xs == ["32"] and bars == {"sparsefuse": [0.8], "torch": [3.0]}
+
+
+def test_kd_target_verdicts_read_the_printed_numbers():
+    """A hidden-topk time of 5.004 ms printed as 5.00 ms must not be called "not met" (target <= 5 ms)."""
+    from sparsefuse.bench import kd
+
+    full = dict(kd.ISSUE_SHAPE)
+    lines = kd._targets([_res("hidden-topk", "sparsefuse", full, 5.004, "bf16"),
+                         _res("gathered", "sparsefuse", full, 1.0, "bf16"), _res("gathered", "torch", full, 2.996, "bf16"),
+                         _res("hidden-full", "sparsefuse", full, 1.1504, "bf16"), _res("hidden-full", "matmul", full, 1.0,
+                                                                                       "bf16")])
+    assert "**5.00 ms** (target ≤ 5 ms: met)" in lines
+    assert "**3.00×** faster than eager" in lines and "target ≥ 3×: met" in lines
+    assert "**1.150×** the bare LM-head matmuls" in lines and "target ≤ 1.15×: met" in lines
+
+
+def test_bench_cli_without_gpu_reruns_its_check_under_the_interpreter(monkeypatch):
+    """Without the interpreter, CPU tensors take the PyTorch reference: the CLI's check reruns in a
+    process with TRITON_INTERPRET=1, so that it checks the Triton kernels, and returns its status."""
+    import subprocess
+    import sys
+
+    from sparsefuse import cli
+
+    seen = {}
+
+    def run(argv, env):
+        seen.update(argv=argv, interpret=env.get("TRITON_INTERPRET"))
+        return subprocess.CompletedProcess(argv, 3)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "INTERPRET", False)
+    monkeypatch.setattr(cli.subprocess, "run", run)
+    assert cli.main(["bench", "sae"]) == 3
+    assert seen == dict(argv=[sys.executable, "-m", "sparsefuse", "bench", "sae"], interpret="1")
+
+
+def test_bench_cli_quick_run_keeps_out_of_the_results_and_the_readme(monkeypatch, tmp_path):
+    import types
+
+    import sparsefuse.bench
+    from sparsefuse import cli
+
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:sae -->\nfull run\n<!-- /bench:sae -->\n")
+    rendered = []
+
+    def family(name):
+        return types.SimpleNamespace(cases=lambda quick: [quick],
+                                     render=lambda out, readme: rendered.append((out, readme)) or "table")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sparsefuse.bench, "family", family)
+    monkeypatch.setattr(harness, "gpu_name", lambda: "GPU")
+    monkeypatch.setattr(harness, "run_cases", lambda cases: [_res("op", "sparsefuse", {"quick": cases[0]}, 1.0)])
+    assert cli.main(["bench", "sae", "--quick"]) == 0
+    quick_dir = str(tmp_path / harness.RESULTS_DIR / "quick")
+    assert rendered == [(harness.os.path.join(harness.RESULTS_DIR, "quick"), "")]
+    assert harness.load("sae", quick_dir)[0].shape == {"quick": True}
+    assert not (tmp_path / harness.RESULTS_DIR / "sae.json").exists()
+    assert cli.main(["bench", "sae"]) == 0
+    assert rendered[-1] == (harness.RESULTS_DIR, "README.md")
 
 
 @pytest.mark.parametrize("results", [(True, True), (False, True), (True, False)])

@@ -66,10 +66,20 @@ class Result:
     version: str = __version__
     torch: str = torch.__version__
     extra: dict = field(default_factory=dict)
+    #: the process that measured it (:data:`RUN`); "" for results saved before runs were recorded
+    run: str = ""
 
     def key(self):
         return (self.op, self.provider, json.dumps(self.shape, sort_keys=True), self.dtype, self.mode, self.gpu,
                 self.version)
+
+    def row(self):
+        """What one table row compares: every provider of one op, dtype, shape and mode."""
+        return self.op, self.dtype, json.dumps(self.shape, sort_keys=True), self.mode
+
+
+#: One benchmark process is one run: :func:`save` keeps each table row's providers from one run.
+RUN = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
 
 
 def gpu_name() -> str:
@@ -111,7 +121,7 @@ def measure(case: Case, *, warmup_ms: int = 50, rep_ms: int = 300) -> Result:
         ms=med, ms_q20=q20, ms_q80=q80, peak_extra_mib=peak / 2**20,
         gbps=None if case.bytes_moved is None else case.bytes_moved / med / 1e6,
         tflops=None if case.flops is None else case.flops / med / 1e9,
-        device_ms=dev, gpu=gpu_name(),
+        device_ms=dev, gpu=gpu_name(), run=RUN,
     )
     if peak < floor:
         res.extra["peak_below_results_mib"] = floor / 2**20
@@ -283,14 +293,28 @@ def _shape_str(shape: dict) -> str:
 
 
 def save(results: list, family: str, out_dir: str = RESULTS_DIR) -> str:
-    """Merge results into ``<out_dir>/<family>.json`` (new results replace old ones with the same key)."""
+    """Merge results into ``<out_dir>/<family>.json``.
+
+    A table row (:meth:`Result.row`) measured again replaces every result of that row saved by another
+    run, so that each row compares providers measured side by side: a baseline that failed this time
+    (out of memory, not installed) reads as missing, not as an earlier run's number on another GPU,
+    torch or code version. Results of one run (a process saving case by case) merge by key. The file
+    is replaced atomically, so a run killed while saving leaves the previous file whole."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{family}.json")
+    new_runs = {}
+    for r in results:
+        new_runs.setdefault(r.row(), set()).add(r.run)
     merged = {}
-    for r in load(family, out_dir) + results:
+    for r in load(family, out_dir):
+        if r.row() not in new_runs or new_runs[r.row()] == {r.run}:
+            merged[r.key()] = r
+    for r in results:
         merged[r.key()] = r
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump([asdict(r) for r in merged.values()], f, indent=1)
+    os.replace(tmp, path)
     return path
 
 
@@ -305,6 +329,11 @@ def load(family: str, out_dir: str = RESULTS_DIR) -> list:
 def _shape_order(shape_json: str) -> tuple:
     """Sort key of a shape: numbers numerically (K=32 before K=128), anything else as text after them."""
     return tuple((0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)) for v in json.loads(shape_json).values())
+
+
+def _speedup(x: float) -> str:
+    """A speed-up cell: bold where we are faster, plain where the baseline is (a floor, say)."""
+    return f"**{x:.2f}×**" if x >= 1 else f"{x:.2f}×"
 
 
 def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch", "torch.compile"),
@@ -333,7 +362,7 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         shape_txt = " ".join(f"{k}={shape[k]}" for k in (keys or shape))
         cells = [op, dtype, shape_txt, f"{us.ms:.3f}"]
         cells += [f"{by[b].ms:.3f}" if b in by else "—" for b in baselines]
-        cells += [f"**{by[b].ms / us.ms:.2f}×**" if b in by else "—" for b in baselines]
+        cells += [_speedup(by[b].ms / us.ms) if b in by else "—" for b in baselines]
         if device_baselines:
             cells.append(f"{us.device_ms:.3f}" if us.device_ms else "—")
             cells += [f"{by[b].device_ms / us.device_ms:.2f}×" if b in by and by[b].device_ms and us.device_ms
@@ -368,6 +397,24 @@ def update_readme(section: str, text: str, readme: str = "README.md") -> bool:
     return True
 
 
+def _bars(sub: list, x_key: str) -> tuple:
+    """(x labels, {provider: ms per label}, whether the labels are ``x_key`` alone) for one panel.
+    A label is ``x_key``'s value while each value names one shape, else the whole shape: a --quick
+    run saved beside the full one must not share the full one's bars."""
+    alone = len({r.shape[x_key] for r in sub}) == len({json.dumps(r.shape, sort_keys=True) for r in sub})
+
+    def label(r):
+        return str(r.shape[x_key]) if alone else _shape_str(r.shape)
+
+    shapes = sorted({json.dumps(r.shape, sort_keys=True): r.shape for r in sub}.values(),
+                    key=lambda sh: (sh[x_key], _shape_order(json.dumps(sh))))
+    xs = list(dict.fromkeys(str(sh[x_key]) if alone else _shape_str(sh) for sh in shapes))
+    providers = sorted({r.provider for r in sub}, key=lambda p: (p != "sparsefuse", p))
+    bars = {p: [next((r.ms for r in sub if r.provider == p and label(r) == x), float("nan")) for x in xs]
+            for p in providers}
+    return xs, bars, alone
+
+
 def plot(results: list, path: str, *, title: str, x_key: str, mode: str = "full") -> Optional[str]:
     """Bar chart of ms per provider against ``x_key``, one panel per (op, dtype)."""
     try:
@@ -382,15 +429,12 @@ def plot(results: list, path: str, *, title: str, x_key: str, mode: str = "full"
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (op, dtype) in zip(axes[0], panels):
-        sub = [r for r in results if r.op == op and r.dtype == dtype and r.mode == mode]
-        xs = sorted({r.shape[x_key] for r in sub})
-        providers = sorted({r.provider for r in sub}, key=lambda p: (p != "sparsefuse", p))
-        width = 0.8 / max(len(providers), 1)
-        for i, p in enumerate(providers):
-            ms = [next((r.ms for r in sub if r.provider == p and r.shape[x_key] == x), float("nan")) for x in xs]
+        xs, bars, alone = _bars([r for r in results if r.op == op and r.dtype == dtype and r.mode == mode], x_key)
+        width = 0.8 / max(len(bars), 1)
+        for i, (p, ms) in enumerate(bars.items()):
             ax.bar([j + i * width for j in range(len(xs))], ms, width, label=p)
-        ax.set_xticks([j + width * (len(providers) - 1) / 2 for j in range(len(xs))], [str(x) for x in xs])
-        ax.set_xlabel(x_key)
+        ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(xs))], xs, fontsize=None if alone else 6)
+        ax.set_xlabel(x_key if alone else "shape")
         ax.set_ylabel("ms (lower is better)")
         ax.set_title(f"{op} {dtype}")
         ax.legend(fontsize=7)
