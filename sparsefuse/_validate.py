@@ -37,7 +37,9 @@ def set_index_checks(enabled: Optional[bool]) -> None:
 
     Unchecked or not, kernels never read or write out of bounds: an out-of-range index turns every
     output that depends on it into NaN (never into a plausible number) and contributes nothing to
-    the weight gradient. ``SPARSEFUSE_CHECK_INDICES=1`` / ``0`` sets the mode from the environment.
+    the weight gradient. (CPU tensors without the Triton interpreter run the PyTorch references,
+    whose indexing raises PyTorch's own index error there instead.)
+    ``SPARSEFUSE_CHECK_INDICES=1`` / ``0`` sets the mode from the environment.
     """
     global _check_indices
     _check_indices = None if enabled is None else bool(enabled)

@@ -84,6 +84,10 @@ def _write(tmp_path, name, x):
     ("batch", r"batch_size=32 is larger than the 18 training rows"),
     ("few-rows", r"a\.npy holds 19 rows; at least 20 are needed to hold out 10% \(at least 2 rows\)"),
     ("eval-rows", r"eval_rows must be >= 2 \(FVU needs the held-out rows' variance\), got 1"),
+    ("mean-active", r"mean_active must be a positive finite number, got nan"),
+    ("n-samples", r"n_samples \(synthetic training rows\) must be >= 1, got -100"),
+    ("dead-tokens", r"dead_tokens must be >= 0, got -1"),
+    ("float64-overflow", r"contain 1 finite values beyond float32's range, which float32 makes infinite in 1 rows"),
 ])
 def test_bad_input_messages(tmp_path, capsys, case, msg):
     args = ["train-sae", "--quiet", "--out", str(tmp_path / "o"), "--steps", "2", "--latents", "16"]
@@ -104,12 +108,36 @@ def test_bad_input_messages(tmp_path, capsys, case, msg):
         args += ["--data", _write(tmp_path, "a.npy", np.ones((19, 4), np.float32)), "--batch-size", "4"]
     elif case == "eval-rows":
         args += ["--eval-rows", "1"]
+    elif case == "mean-active":  # NaN passed "mean_active <= 0": all-zero data, FVU NaN, exit status 0
+        args += ["--mean-active", "nan"]
+    elif case == "n-samples":  # a negative slice bound: training on the wrong rows without a word
+        args += ["--n-samples", "-100"]
+    elif case == "dead-tokens":
+        args += ["--dead-tokens", "-1"]
+    elif case == "float64-overflow":  # finite in the file, infinite in float32: not "non-finite in the file"
+        x = np.ones((20, 4), np.float64)
+        x[7, 2] = 1e39
+        args += ["--data", _write(tmp_path, "a.npy", x)]
     else:
         args += ["--k", "40"]
     assert cli(args) == 2
     err = capsys.readouterr().err
     assert "sparsefuse train-sae: error:" in err
     assert __import__("re").search(msg, err), err
+
+
+def test_synthetic_firing_rate_reports_the_cap():
+    """Each firing probability is capped at 1, so a large mean_active is not what fires: the log
+    reports what does (expected_active), not the number asked for."""
+    from sparsefuse.sae.data import expected_active
+
+    assert expected_active(256, 5.0) == pytest.approx(5.0)
+    assert expected_active(256, 64.0) == pytest.approx(60.19, abs=0.01)
+    assert expected_active(40, 50.0) < 40
+    lines = []
+    train_sae(TrainConfig(k=2, n_latents=8, batch_size=16, steps=1, n_samples=64, eval_rows=8, d_model=6, n_features=40,
+                          mean_active=50.0, out=None, progress=False, device="cpu"), log=lines.append)
+    assert f"~{expected_active(40, 50.0):.3g} active per row" in lines[0] and "~50 active" not in lines[0]
 
 
 def test_synthetic_set_is_seeded_and_recovery_metric():

@@ -5,7 +5,8 @@ Synthetic set (:func:`synthetic_activations`), seeded and generated on the fly, 
 * a ground-truth dictionary ``G [n_features, D]`` of random unit vectors, with ``n_features > D``
   (features in superposition: they cannot all be orthogonal);
 * feature i fires in a row with probability ``p_i`` that falls off with its rank like
-  ``1 / (i + 10)``, scaled so that on average ``mean_active`` features fire per row;
+  ``1 / (i + 10)``, scaled so that on average ``mean_active`` features fire per row (each ``p_i``
+  capped at 1, so a ``mean_active`` near ``n_features`` gets fewer: :func:`expected_active`);
 * a firing feature has magnitude ``m_i * s`` with a per-feature scale ``m_i`` log-uniform in
   ``[0.5, 2]`` and ``s ~ Exponential(1)``, so a few features dominate each row;
 * ``x = sum_i a_i G_i + noise``, the noise isotropic Gaussian with ``noise`` times the mean
@@ -23,6 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._validate import check_number
+
 
 def synthetic_dictionary(d_model: int, n_features: int, seed: int = 0) -> Tensor:
     """``[n_features, d_model]`` float32 random unit rows (the ground truth)."""
@@ -31,18 +34,31 @@ def synthetic_dictionary(d_model: int, n_features: int, seed: int = 0) -> Tensor
     return (G / G.norm(dim=1, keepdim=True)).float()
 
 
+def _firing_probabilities(n_features: int, mean_active: float) -> Tensor:
+    """``p [n_features]`` float64: ``p_i`` proportional to ``1 / (i + 10)``, summing to ``mean_active``
+    before each is capped at 1."""
+    check_number("mean_active", mean_active, positive=True)
+    p = 1.0 / (torch.arange(n_features, dtype=torch.float64) + 10.0)
+    return (p * mean_active / p.sum()).clamp(max=1.0)
+
+
+def expected_active(n_features: int, mean_active: float) -> float:
+    """The mean number of features that fire per row of :func:`synthetic_activations`: ``mean_active``
+    unless the cap of each probability at 1 binds (then fewer)."""
+    return float(_firing_probabilities(n_features, mean_active).sum())
+
+
 def synthetic_activations(
     n: int, d_model: int = 32, n_features: int = 256, mean_active: float = 5.0, noise: float = 0.02,
     seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """``(x [n, d_model], G [n_features, d_model])``, both float32, following the module docstring."""
-    if min(n, d_model, n_features) < 1 or mean_active <= 0:
-        raise ValueError("synthetic_activations needs n, d_model, n_features >= 1 and mean_active > 0")
+    if min(n, d_model, n_features) < 1:
+        raise ValueError("synthetic_activations needs n, d_model, n_features >= 1")
+    check_number("noise", noise, positive=False)
+    p = _firing_probabilities(n_features, mean_active)
     G = synthetic_dictionary(d_model, n_features, seed)
     g = torch.Generator().manual_seed(seed + 1)
-    rank = torch.arange(n_features, dtype=torch.float64)
-    p = 1.0 / (rank + 10.0)
-    p = (p * mean_active / p.sum()).clamp(max=1.0)
     scale = torch.exp(torch.empty(n_features, dtype=torch.float64).uniform_(-0.693, 0.693, generator=g))
     x = torch.empty(n, d_model, dtype=torch.float32)
     chunk = 8192
@@ -107,9 +123,13 @@ def check_activations(x: Tensor, name: str = "activations", d_model: Optional[in
         raise ValueError(f"{name}: activations are empty (shape {tuple(x.shape)})")
     if d_model is not None and x.shape[1] != d_model:
         raise ValueError(f"{name}: activations have D={x.shape[1]}, the SAE expects d_model={d_model}")
+    _check_finite(x, name, "non-finite values (NaN or inf)")
     x = x.float().contiguous()
-    bad = (~torch.isfinite(x)).sum()
-    if bad:
-        rows = int((~torch.isfinite(x)).any(1).sum())
-        raise ValueError(f"{name}: activations contain {int(bad)} non-finite values (NaN or inf) in {rows} rows")
+    _check_finite(x, name, "finite values beyond float32's range, which float32 makes infinite")
     return x
+
+
+def _check_finite(x: Tensor, name: str, what: str) -> None:
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        raise ValueError(f"{name}: activations contain {int(bad.sum())} {what} in {int(bad.any(1).sum())} rows")

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .data import check_activations, load_activations, synthetic_activations
+from .data import check_activations, expected_active, load_activations, synthetic_activations
 from .modules import TopKSAE, powers_of_two_upto
 
 LOSSES = ("topk", "hierarchical")
@@ -234,6 +234,10 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"steps and batch_size must be >= 1, got steps={cfg.steps}, batch_size={cfg.batch_size}")
     if cfg.eval_rows < 2:
         raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
+    if cfg.dead_tokens is not None and cfg.dead_tokens < 0:
+        raise ValueError(f"dead_tokens must be >= 0, got {cfg.dead_tokens}")
+    if cfg.data is None and cfg.n_samples < 1:
+        raise ValueError(f"n_samples (synthetic training rows) must be >= 1, got {cfg.n_samples}")
     train, eval_x, G = _load_data(cfg)
     if cfg.batch_size > train.shape[0]:  # a batch would be the whole set, uneven slices under DDP
         raise ValueError(f"batch_size={cfg.batch_size} is larger than the {train.shape[0]} training rows")
@@ -241,7 +245,7 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
     rank, world = _rank_world()
     if rank == 0:
         src = cfg.data or (f"synthetic: {train.shape[0]} rows, D={train.shape[1]}, {cfg.n_features} true features,"
-                           f" ~{cfg.mean_active:g} active per row")
+                           f" ~{expected_active(cfg.n_features, cfg.mean_active):.3g} active per row")
         log(f"data: {src}; eval rows: {eval_x.shape[0]}; device: {device}"
             + (f" x {world} processes" if world > 1 else "") + f"; dtype: {cfg.dtype}")
     runs = {}
