@@ -213,16 +213,15 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--out", default=harness.RESULTS_DIR)
+    p.add_argument("--out", default=None, help="default benchmarks/results (--quick: benchmarks/results/quick)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="only time the parts of a fused step")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():  # as `sparsefuse bench`: nothing to time, check the modules instead
-        print("No CUDA GPU found: this benchmark times GPU training steps, so nothing is timed here.\n"
-              "Running a small correctness check on the CPU instead:")
-        ok = check()
-        print("all checks passed" if ok else "SOME CHECKS FAILED")
-        return 0 if ok else 1
+    if not torch.cuda.is_available():  # nothing to time: the CPU check of `sparsefuse bench sae_train`
+        from ..cli import main as cli_main
+
+        return cli_main(["bench", FAMILY])
+    a.out = a.out or (f"{harness.RESULTS_DIR}/quick" if a.quick else harness.RESULTS_DIR)
     print(f"== {FAMILY} on {harness.gpu_name()}")
     if a.breakdown:
         import json
