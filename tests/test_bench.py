@@ -188,7 +188,10 @@ def test_sae_train_main_without_gpu_checks_instead_of_timing(monkeypatch, capsys
 
     from sparsefuse.bench import harness, sae_train
 
+    from sparsefuse import cli
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "INTERPRET", True)  # as on a machine without a GPU (tests/conftest.py)
     monkeypatch.setattr(sae_train, "check", lambda log=print: True)
     monkeypatch.setattr(harness, "run_cases", lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed")))
     assert sae_train.main(["--quick", "--out", "unused"]) == 0
@@ -546,6 +549,7 @@ def test_bench_cli_without_gpu_exit_status_follows_every_check(monkeypatch, caps
         return types.SimpleNamespace(check=check)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "INTERPRET", True)  # as on a machine without a GPU (tests/conftest.py)
     monkeypatch.setattr(sparsefuse.bench, "family", family)
     status = cli.main(["bench", "sae", "vq"])
     out = capsys.readouterr().out
