@@ -20,8 +20,10 @@ def _bench(args) -> int:
     if unknown:
         print(f"unknown benchmark family {unknown}; choose from {', '.join(FAMILIES)}", file=sys.stderr)
         return 2
+    # a --quick (smoke) run has its own folder and leaves the README's tables to the full run
+    out = args.out or (harness.QUICK_DIR if args.quick else harness.RESULTS_DIR)
+    readme = ("" if args.quick else "README.md") if args.readme is None else args.readme
     if args.render:
-        out, readme = args.out or harness.RESULTS_DIR, "README.md" if args.readme is None else args.readme
         for name in names:
             print(family(name).render(out, readme) or f"no results for {name} in {out}")
         return 0
@@ -37,18 +39,13 @@ def _bench(args) -> int:
         ok = all([family(name).check() for name in names])
         print("all checks passed" if ok else "SOME CHECKS FAILED")
         return 0 if ok else 1
-    if args.quick:  # a smoke run: its own folder, and the README's tables stay those of the full run
-        args.out = args.out or os.path.join(harness.RESULTS_DIR, "quick")
-        args.readme = args.readme or ""
-    args.out = args.out or harness.RESULTS_DIR
-    args.readme = "README.md" if args.readme is None else args.readme
     for name in names:
         mod = family(name)
         print(f"== {name} on {harness.gpu_name()}")
         results = harness.run_cases(mod.cases(quick=args.quick))
-        path = harness.save(results, name, args.out)
+        path = harness.save(results, name, out)
         print(f"results: {path}")
-        text = mod.render(args.out, args.readme)
+        text = mod.render(out, readme)
         if text:
             print(text)
     return 0

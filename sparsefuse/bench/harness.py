@@ -26,6 +26,7 @@ import torch
 from .. import __version__
 
 RESULTS_DIR = os.path.join("benchmarks", "results")
+QUICK_DIR = os.path.join(RESULTS_DIR, "quick")  # --quick runs: smoke tests, never the README's tables
 
 
 @dataclass
@@ -401,16 +402,16 @@ def _bars(sub: list, x_key: str) -> tuple:
     """(x labels, {provider: ms per label}, whether the labels are ``x_key`` alone) for one panel.
     A label is ``x_key``'s value while each value names one shape, else the whole shape: a --quick
     run saved beside the full one must not share the full one's bars."""
-    alone = len({r.shape[x_key] for r in sub}) == len({json.dumps(r.shape, sort_keys=True) for r in sub})
-
-    def label(r):
-        return str(r.shape[x_key]) if alone else _shape_str(r.shape)
-
     shapes = sorted({json.dumps(r.shape, sort_keys=True): r.shape for r in sub}.values(),
                     key=lambda sh: (sh[x_key], _shape_order(json.dumps(sh))))
-    xs = list(dict.fromkeys(str(sh[x_key]) if alone else _shape_str(sh) for sh in shapes))
+    alone = len({sh[x_key] for sh in shapes}) == len(shapes)
+
+    def label(shape):
+        return str(shape[x_key]) if alone else _shape_str(shape)
+
+    xs = [label(sh) for sh in shapes]
     providers = sorted({r.provider for r in sub}, key=lambda p: (p != "sparsefuse", p))
-    bars = {p: [next((r.ms for r in sub if r.provider == p and label(r) == x), float("nan")) for x in xs]
+    bars = {p: [next((r.ms for r in sub if r.provider == p and label(r.shape) == x), float("nan")) for x in xs]
             for p in providers}
     return xs, bars, alone
 

@@ -221,7 +221,7 @@ def main(argv=None) -> int:
         from ..cli import main as cli_main
 
         return cli_main(["bench", FAMILY])
-    a.out = a.out or (f"{harness.RESULTS_DIR}/quick" if a.quick else harness.RESULTS_DIR)
+    a.out = a.out or (harness.QUICK_DIR if a.quick else harness.RESULTS_DIR)
     print(f"== {FAMILY} on {harness.gpu_name()}")
     if a.breakdown:
         import json
