@@ -7,9 +7,16 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 from ._registry import INTERPRET
+
+
+def _interpreter_runs() -> bool:
+    """Whether Triton's interpreter can run the kernels here: Triton 3.6's breaks on NumPy >= 2.4
+    (it turns one-element arrays into Python integers, which NumPy 2.4 refuses)."""
+    return tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4)
 
 
 def _bench(args) -> int:
@@ -28,14 +35,20 @@ def _bench(args) -> int:
             print(family(name).render(out, readme) or f"no results for {name} in {out}")
         return 0
     if not torch.cuda.is_available():
-        if not INTERPRET:
+        interpreter_runs = _interpreter_runs()
+        if not INTERPRET and interpreter_runs:
             # CPU tensors take the PyTorch reference unless the Triton interpreter was on at import:
             # the check runs in a process that has it, so that it exercises the kernels
             env = dict(os.environ, TRITON_INTERPRET="1")
             return subprocess.run([sys.executable, "-m", "sparsefuse", "bench", *names], env=env).returncode
-        print("No CUDA GPU found: sparsefuse benchmarks time GPU kernels, so nothing is timed here.\n"
-              "Running a small correctness check of the ops' Triton kernels on the CPU (Triton's interpreter, "
-              "TRITON_INTERPRET=1) against the float64 reference instead:")
+        print("No CUDA GPU found: sparsefuse benchmarks time GPU kernels, so nothing is timed here.")
+        if INTERPRET:
+            print("Running a small correctness check of the ops' Triton kernels on the CPU (Triton's interpreter, "
+                  "TRITON_INTERPRET=1) against the float64 reference instead:")
+        else:
+            print(f"Triton's interpreter does not run with NumPy {np.__version__} (it needs NumPy < 2.4; "
+                  f"`pip install 'numpy<2.4'` to check the kernels), so only the ops' CPU path, the PyTorch "
+                  f"reference, is checked against float64:")
         ok = all([family(name).check() for name in names])
         print("all checks passed" if ok else "SOME CHECKS FAILED")
         return 0 if ok else 1

@@ -503,6 +503,32 @@ def test_bench_cli_without_gpu_reruns_its_check_under_the_interpreter(monkeypatc
     assert seen == dict(argv=[sys.executable, "-m", "sparsefuse", "bench", "sae"], interpret="1")
 
 
+def test_bench_cli_without_gpu_or_a_working_interpreter_says_what_it_checks(monkeypatch, capsys):
+    """Triton 3.6's interpreter breaks on NumPy >= 2.4: there the check runs in process, on the
+    reference path, and says so, rather than crash in a kernel."""
+    import types
+
+    import sparsefuse.bench
+    from sparsefuse import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "INTERPRET", False)
+    monkeypatch.setattr(cli, "_interpreter_runs", lambda: False)
+    monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: pytest.fail("spawned the interpreter rerun"))
+    monkeypatch.setattr(sparsefuse.bench, "family", lambda name: types.SimpleNamespace(check=lambda log=print: True))
+    assert cli.main(["bench", "sae"]) == 0
+    out = capsys.readouterr().out
+    assert "does not run with NumPy" in out and "PyTorch reference" in out and "all checks passed" in out
+
+
+def test_interpreter_runs_follows_the_numpy_version(monkeypatch):
+    from sparsefuse import cli
+
+    for version, runs in (("2.3.5", True), ("1.26.4", True), ("2.4.0", False), ("2.4.0rc1", False), ("3.0.1", False)):
+        monkeypatch.setattr(cli.np, "__version__", version)
+        assert cli._interpreter_runs() is runs
+
+
 def test_bench_cli_quick_run_keeps_out_of_the_results_and_the_readme(monkeypatch, tmp_path):
     import types
 
