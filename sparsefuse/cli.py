@@ -36,10 +36,11 @@ def _bench(args) -> int:
         return 0
     if not torch.cuda.is_available():
         interpreter_runs = _interpreter_runs()
-        if not INTERPRET and interpreter_runs:
+        if INTERPRET != interpreter_runs:
             # CPU tensors take the PyTorch reference unless the Triton interpreter was on at import:
-            # the check runs in a process that has it, so that it exercises the kernels
-            env = dict(os.environ, TRITON_INTERPRET="1")
+            # the check runs in a process that has it where it works (so that it exercises the
+            # kernels), and in one without it where it does not
+            env = dict(os.environ, TRITON_INTERPRET="1" if interpreter_runs else "0")
             return subprocess.run([sys.executable, "-m", "sparsefuse", "bench", *names], env=env).returncode
         print("No CUDA GPU found: sparsefuse benchmarks time GPU kernels, so nothing is timed here.")
         if INTERPRET:
