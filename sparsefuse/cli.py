@@ -56,9 +56,9 @@ def _bench(args) -> int:
     for name in names:
         mod = family(name)
         print(f"== {name} on {harness.gpu_name()}")
-        results = harness.run_cases(mod.cases(quick=args.quick))
-        path = harness.save(results, name, out)
-        print(f"results: {path}")
+        # saved after every round, so that a run stopped part-way keeps the rounds it measured
+        harness.run_cases(mod.cases(quick=args.quick), on_round=lambda res, name=name: harness.save(res, name, out))
+        print(f"results: {os.path.join(out, name + '.json')}")
         text = mod.render(out, readme)
         if text:
             print(text)

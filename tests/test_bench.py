@@ -29,6 +29,41 @@ def test_rounds_are_round_robin_and_keep_the_median(monkeypatch):
     assert harness.run_cases([], log=None) == []
 
 
+def test_a_run_stopped_in_a_later_round_keeps_the_rounds_it_measured(monkeypatch, tmp_path):
+    """The CLI saves after every round (``on_round``): a run killed in round 2 leaves round 1 saved,
+    and a finished run leaves each case's median round."""
+    times = {"a": [4.0, 2.0, 3.0], "b": [6.0, 5.0, 7.0]}
+    stop_at = [None]
+
+    def fake_measure(case):
+        got = times[case.provider]
+        if stop_at[0] == (case.provider, len(got)):
+            raise KeyboardInterrupt
+        return harness.Result(op=case.op, provider=case.provider, shape={"K": 1}, dtype=case.dtype,
+                              mode=case.mode, ms=got.pop(0), ms_q20=0.0, ms_q80=0.0, peak_extra_mib=0.0)
+
+    monkeypatch.setattr(harness, "measure", fake_measure)
+    monkeypatch.setattr(harness, "_warm_gpu", lambda case: None)
+
+    def cases():
+        return [harness.Case(op="op", provider=p, shape={"K": 1}, dtype="fp32", mode="full", make=lambda: None,
+                             rounds=3) for p in ("a", "b")]
+
+    def save(res):
+        harness.save(res, "fam", str(tmp_path))
+
+    stop_at[0] = ("b", 2)  # killed in round 2, after case a's second round
+    with pytest.raises(KeyboardInterrupt):
+        harness.run_cases(cases(), log=lambda *a: None, on_round=save)
+    assert {r.provider: r.ms for r in harness.load("fam", str(tmp_path))} == {"a": 4.0, "b": 6.0}
+    times.update(a=[4.0, 2.0, 3.0], b=[6.0, 5.0, 7.0])
+    stop_at[0] = None
+    harness.run_cases(cases(), log=lambda *a: None, on_round=save)
+    saved = {r.provider: r for r in harness.load("fam", str(tmp_path))}
+    assert {p: r.ms for p, r in saved.items()} == {"a": 3.0, "b": 6.0}
+    assert saved["a"].extra["rounds_ms"] == [2.0, 3.0, 4.0]
+
+
 def test_host_profile_reports_the_profiled_function():
     import io
 
@@ -554,7 +589,12 @@ def test_bench_cli_quick_run_keeps_out_of_the_results_and_the_readme(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sparsefuse.bench, "family", family)
     monkeypatch.setattr(harness, "gpu_name", lambda: "GPU")
-    monkeypatch.setattr(harness, "run_cases", lambda cases: [_res("op", "sparsefuse", {"quick": cases[0]}, 1.0)])
+    def run_cases(cases, on_round):
+        results = [_res("op", "sparsefuse", {"quick": cases[0]}, 1.0)]
+        on_round(results)
+        return results
+
+    monkeypatch.setattr(harness, "run_cases", run_cases)
     assert cli.main(["bench", "sae", "--quick"]) == 0
     quick_dir = str(tmp_path / harness.RESULTS_DIR / "quick")
     assert rendered == [(harness.os.path.join(harness.RESULTS_DIR, "quick"), "")]

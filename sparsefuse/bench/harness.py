@@ -256,9 +256,12 @@ def _warm_gpu(case, seconds: float = 0.5) -> None:
     torch.cuda.empty_cache()
 
 
-def run_cases(cases, *, log=print) -> list:
+def run_cases(cases, *, log=print, on_round=None) -> list:
     """Measure every case (in order, after warming the GPU on the first); cases with ``rounds > 1``
-    are measured again in later rounds, and keep the round with their median time."""
+    are measured again in later rounds, and keep the round with their median time.
+
+    ``on_round(results)``, if given, gets the results so far after each round (the median of the
+    rounds measured), so that a caller can save them and a run killed part-way keeps what it had."""
     rounds = [[] for _ in cases]
     if cases:
         _warm_gpu(cases[0])
@@ -278,13 +281,21 @@ def run_cases(cases, *, log=print) -> list:
                 f"{res.ms:8.3f} ms  {res.peak_extra_mib:9.1f} MiB" + (f"  {res.gbps:7.0f} GB/s" if res.gbps else "")
                 + (f"  device {res.device_ms:.3f} ms" if res.device_ms else "  device -")
                 + tag + ("  (peak below the results' size: misread)" if "peak_below_results_mib" in res.extra else ""))
+        if on_round is not None:
+            on_round(_medians(rounds))
+    return _medians(rounds)
+
+
+def _medians(rounds: list) -> list:
+    """Each case's result from the round with its median time (the lower median of an even count),
+    with every round's time under ``extra["rounds_ms"]``."""
     results = []
     for got in rounds:
         if got:
-            got.sort(key=lambda res: res.ms)
-            pick = got[(len(got) - 1) // 2]
-            if len(got) > 1:
-                pick.extra["rounds_ms"] = [round(res.ms, 5) for res in got]
+            ordered = sorted(got, key=lambda res: res.ms)
+            pick = ordered[(len(ordered) - 1) // 2]
+            if len(ordered) > 1:
+                pick.extra["rounds_ms"] = [round(res.ms, 5) for res in ordered]
             results.append(pick)
     return results
 
