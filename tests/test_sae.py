@@ -314,6 +314,31 @@ def test_use_deterministic_algorithms_selects_staged_path():
     check_against_fp64("hierarchical", idx, weight, vals, bias, target, torch.float32)
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_use_deterministic_algorithms_picks_the_backward_path(flag, monkeypatch):
+    """deterministic=None follows torch.use_deterministic_algorithms: the staged rows (mode 2, gv
+    as per-tile partials) when it is on, fp32 atomics when it is off. On the CPU the atomics repeat
+    bit for bit anyway, so only the launches tell the two paths apart."""
+    from sparsefuse.sae import kernels
+
+    metas = []
+    real = kernels._launch
+
+    def spy(fn, grid, *args, **meta):
+        if fn is kernels._hierarchical_sae_bwd_kernel:
+            metas.append((meta["WEIGHT_GRAD"], meta["STAGED_GV"]))
+        return real(fn, grid, *args, **meta)
+
+    monkeypatch.setattr(kernels, "_launch", spy)
+    idx, weight, vals, bias, target = make(4, 3, 5, 20, torch.float32)
+    torch.use_deterministic_algorithms(flag)
+    try:
+        value_and_grads(sparsefuse.hierarchical_sae_loss, idx, weight, vals, bias, target)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert metas == [(2, True)] if flag else metas == [(1, False)]
+
+
 @pytest.mark.parametrize("B,K,F,D", [(5, 3, 7, 300), (4, 64, 70, 200)])
 def test_topk_column_group_parts_of_gv(B, K, F, D):
     """D > 128: the TopK gather runs several column groups, each with its part of gv. At K = 3 the
@@ -423,6 +448,8 @@ def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
         "    same(lambda x, w, b, s: sparsefuse.sparse_linear(x, w, idx, b, s),\n"
         "         lambda x, w, b, s: ref.sparse_linear(x, w, idx, b, s),\n"
         "         (rnd(B, D), rnd(F, D), rnd(F), rnd(D)), frozen)\n"
+        "# the promoted dtype, as the fake (and the kernels) give it, not the float32 it is computed in\n"
+        "assert sparsefuse.sae_decode(idx, rnd(B, K).half(), rnd(F, D).half(), rnd(D).half()).dtype == torch.float16\n"
         "print('ok')\n"
     )
     _run_without_interpreter(code)
@@ -599,6 +626,27 @@ def test_gradcheck_fp64(op):
     assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7, nondet_tol=nondet_tol)
 
 
+@pytest.mark.parametrize("case", ["decode-promoted-dtype", "topk-gv-column-groups"])
+def test_opcheck_fakes_match_real_outputs(case):
+    """The fake implementations must give the real outputs' shapes and dtypes where they depend on
+    more than B, K and D: the decode's promoted dtype (float32 vals with a float64 decoder give a
+    float64 result), and TopK's forward keeping one part of gv per column group (D = 300, K = 3:
+    three groups of 128 columns), which the shapes above (D <= 8) never reach."""
+    from sparsefuse.sae import kernels
+
+    if case == "decode-promoted-dtype":
+        idx, weight, vals, bias, _ = make(3, 2, 4, 5, torch.float32)
+        weight = weight.double().requires_grad_()
+        args = (idx, vals.requires_grad_(), weight, bias.requires_grad_())
+        assert torch.ops.sparsefuse.sae_decode(*args).dtype == torch.float64
+        torch.library.opcheck(torch.ops.sparsefuse.sae_decode.default, args)
+    else:
+        idx, weight, vals, bias, target = make(2, 3, 4, 300, torch.float32)
+        assert kernels.topk_gv_parts(3, 300, 4) == 3
+        args = (idx, weight.requires_grad_(), vals.requires_grad_(), bias.requires_grad_(), target)
+        torch.library.opcheck(torch.ops.sparsefuse.topk_sae_loss.default, args)
+
+
 def _hier_deterministic(*args):
     return sparsefuse.hierarchical_sae_loss(*args, deterministic=True)
 
@@ -667,9 +715,13 @@ def _good():
         (lambda a: a.update(target=None), TypeError, r"target must be a tensor"),
         (lambda a: a["indices"].__setitem__((1, 2), 6), IndexError, r"indices holds 6, outside \[0, 6\)"),
         (lambda a: a["indices"].__setitem__((0, 0), -1), IndexError, r"indices holds -1, outside \[0, 6\)"),
+        (lambda a: a.update(vals=a["vals"].long()), TypeError, r"vals has dtype int64"),
+        (lambda a: a.update(bias=a["bias"].int()), TypeError, r"bias has dtype int32"),
+        (lambda a: a.update(target=a["target"].long()), TypeError, r"target has dtype int64"),
     ],
     ids=["rank", "idx-dtype", "K0", "F0", "w-dtype", "w-rank", "vals-shape", "bias-shape", "target-shape",
-         "device", "vals-device", "idx-device", "bias-device", "none", "target-none", "idx-high", "idx-negative"],
+         "device", "vals-device", "idx-device", "bias-device", "none", "target-none", "idx-high", "idx-negative",
+         "vals-dtype", "bias-dtype", "target-dtype"],
 )
 @pytest.mark.parametrize("op", ["topk", "hierarchical"])
 def test_bad_input_errors(op, mutate, exc, match):
@@ -702,6 +754,25 @@ def test_unchecked_out_of_range_indices_poison_with_nan(op):
     sparsefuse.set_index_checks(False)
     try:
         got = value_and_grads(OPS[op][0], idx, weight, vals, bias, target)
+    finally:
+        sparsefuse.set_index_checks(None)
+    assert torch.isnan(got[0][1] if op == "decode" else got[0]).all()
+    assert torch.isnan(got[2][1, 1])
+
+
+@pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
+def test_unchecked_index_equal_to_f_poisons_with_nan(op):
+    """The bound is exclusive: with the host check off, index F (one past the last row) must be
+    refused like any other bad index. The weight is the first F rows of a larger buffer, so a
+    kernel that let F through would read a finite row F there instead of producing NaN."""
+    idx, weight, vals, bias, target = _good()
+    F = weight.shape[0]
+    weight = torch.cat([weight, torch.ones_like(weight[:1])])[:F]  # row F exists in memory, finite
+    idx[1, 1] = F
+    fn = _hier_deterministic if op == "hierarchical-fused" else OPS[op.split("-")[0]][0]
+    sparsefuse.set_index_checks(False)
+    try:
+        got = value_and_grads(fn, idx, weight, vals, bias, target)
     finally:
         sparsefuse.set_index_checks(None)
     assert torch.isnan(got[0][1] if op == "decode" else got[0]).all()

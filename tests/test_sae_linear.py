@@ -277,6 +277,21 @@ def test_unchecked_out_of_range_indices_poison_with_nan():
     assert torch.isnan(out[1, 1]) and torch.isfinite(out[0]).all()
 
 
+def test_unchecked_index_equal_to_f_poisons_with_nan():
+    """The bound is exclusive: index F (one past the last row), host check off, is NaN like any
+    bad index; the weight is the first F rows of a larger buffer, so a kernel that let F through
+    would read a finite row F there."""
+    x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
+    weight = torch.cat([weight, torch.ones_like(weight[:1])])[:6]
+    idx[1, 1] = 6
+    sparsefuse.set_index_checks(False)
+    try:
+        out = sparsefuse.sparse_linear(x, weight, idx, None, shift)
+    finally:
+        sparsefuse.set_index_checks(None)
+    assert torch.isnan(out[1, 1]) and torch.isfinite(out[0]).all()
+
+
 def test_unchecked_huge_int64_index_adds_to_no_feature():
     """An int64 index past 2^32 (host check off) must not wrap onto a real feature in the weight
     and bias gradients (the sort narrows keys to int32)."""
