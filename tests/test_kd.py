@@ -528,6 +528,100 @@ def test_from_hidden_per_token_loss_refuses_a_gradient():
     assert torch.isnan(g).all()
 
 
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_gathered_per_token_output_is_differentiable(temperature):
+    """return_per_token=True: the gathered form's per-token loss is differentiable too, and a
+    gradient reaching it adds to the loss's (the logits form has its own test)."""
+    d = make(5, 3, 37, dtype=torch.float64)
+    w = torch.rand(5, dtype=torch.float64, device=DEVICE)
+    zk = leaf(d["z"][:, :3])
+    loss, tok = sparsefuse.topk_kd_loss(zk, d["t"], d["m"], temperature=temperature, return_per_token=True)
+    (g,) = torch.autograd.grad(loss + (tok * w).sum(), zk)
+    z64 = leaf(d["z"][:, :3])
+    l2, t2 = ref.topk_kd_loss(z64, d["t"], d["m"], temperature=temperature)
+    (g2,) = torch.autograd.grad(l2 + (t2 * w).sum(), z64)
+    sc = fp32_scalar_scale(torch.float64, temperature)
+    assert_close(tok, t2, torch.float64, "per token", sc)
+    assert_close(g, g2, torch.float64, "grad", sc)
+    (g,) = torch.autograd.grad(sparsefuse.topk_kd_loss(zk, d["t"], d["m"], temperature=temperature,
+                                                       return_per_token=True)[1].sum(), zk)
+    (g2,) = torch.autograd.grad(ref.topk_kd_loss(z64, d["t"], d["m"], temperature=temperature)[1].sum(), z64)
+    assert_close(g, g2, torch.float64, "grad of the per-token loss alone", sc)
+
+
+@pytest.mark.parametrize("normalize", ["topk", "full"])
+def test_from_hidden_num_items_in_batch_divides_the_cross_entropy(normalize):
+    """num_items_in_batch divides the cross-entropy term as well as the KD term (gradient
+    accumulation); other tests use it without cross-entropy, or the cross-entropy with "mean"."""
+    d = make(9, 4, 41, dtype=torch.float64)
+    for items in (7, torch.tensor(7.0, device=DEVICE)):
+        h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+        kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"], ce_weight=0.5,
+                  num_items_in_batch=items)
+        got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=4, **kw),
+                    [h, w, b])
+        want = grads(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], [h, w, b])
+        compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"],
+                scale=fp32_scalar_scale(torch.float64, 1.5, 0.5))
+
+
+def test_cpu_implementations_of_the_gathered_op_and_the_reductions():
+    """The ops' PyTorch implementations (the CPU path without the interpreter) against the kernels:
+    the gathered forward and backward at T != 1 with a per-token gradient, and the hidden form's
+    KD and cross-entropy weights for "mean" (labels ignored on more tokens than are fully masked,
+    so the two counts differ), "sum" and num_items_in_batch (number and tensor)."""
+    from sparsefuse.kd import kernels
+
+    d = make(7, 3, 29, dtype=torch.float64)
+    zk = d["z"][:, :3].contiguous()
+    gl = torch.tensor(1.3, dtype=torch.float64, device=DEVICE)
+    gt = torch.rand(7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    for reduction, items, items_v in ((1, None, 1.0), (0, None, 1.0), (2, None, 5.0)):
+        a = kernels.topk_fwd(zk, d["t"], d["m"], 1.7, reduction, items, items_v)
+        b = ref.kd_topk_fwd(zk, d["t"], d["m"], 1.7, reduction, items, items_v)
+        for x, y, name in zip(a, b, ("loss", "tok", "scale")):
+            assert_close(x, y, torch.float64, name, fp32_scalar_scale(torch.float64, 1.7))
+        ga = kernels.topk_bwd(gl, gt, zk, d["t"], d["m"], a[2], 1.7)
+        gb = ref.kd_topk_bwd(gl, gt, zk, d["t"], d["m"], b[2], 1.7)
+        assert_close(ga, gb, torch.float64, "grad", fp32_scalar_scale(torch.float64, 1.7))
+    labels = d["labels"].clone()
+    labels[[0, 2]] = ref.IGNORE_INDEX  # 3 labels ignored, 1 token fully masked
+    for reduction, items, items_v in ((1, None, 1.0), (0, None, 1.0), (2, None, 5.0),
+                                      (2, torch.tensor(6.0, dtype=torch.float64, device=DEVICE), 1.0)):
+        for normalize in (0, 1):
+            args = (d["h"], d["w"], d["b"], d["ids"], d["t"], d["m"], labels, normalize, 1.3, reduction, items, items_v,
+                    0.5, True, True, True, 0)
+            got = kernels.hidden_fwd(*args)
+            want = ref.kd_hidden_fwd(*args)
+            for x, y, name in zip(got, want, ("loss", "tok", "grad_hidden", "grad_weight", "grad_bias")):
+                assert_close(x, y, torch.float64, f"{name} ({reduction}, {normalize})",
+                             fp32_scalar_scale(torch.float64, 1.3, 0.5))
+
+
+@pytest.mark.parametrize("normalize", ["full", "tail"])
+def test_from_hidden_float16_grad_hidden_with_a_tiny_reduction_weight(normalize):
+    """float16 from hidden states with a per-token weight of 2^-18: the logits' gradient is computed
+    at weight 1 in the float16 chunk and the weight is applied to grad_hidden in the backward. At the
+    true weight the logits' gradients (~1e-7) are float16 subnormals and grad_hidden came out ~1.5%
+    off; this way it is within float16 rounding."""
+    N, H, V, K = 6, 4, 16, 3
+    g = torch.Generator().manual_seed(0)
+    h = (0.05 * torch.randn(N, H, generator=g)).half()
+    w = (20 * torch.randn(V, H, generator=g)).half()
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])
+    t = torch.log_softmax(torch.randn(N, K, generator=g), -1) - 0.3
+    h, w, ids, t = (x.to(DEVICE) for x in (h, w, ids, t))
+    items = 2.0**18
+    hl = leaf(h)
+    (gh,) = torch.autograd.grad(sparsefuse.topk_kd_loss_from_hidden(hl, w, ids, t, normalize=normalize,
+                                                                    num_items_in_batch=items), hl)
+    h64 = leaf(h.double())
+    (want,) = torch.autograd.grad(ref.topk_kd_loss_from_hidden(h64, w.double(), ids, t.double(), normalize=normalize,
+                                                               num_items_in_batch=items)[0], h64)
+    assert want.abs().max() > 6.2e-5  # grad_hidden itself is a normal float16 number
+    assert_close(gh, want, torch.float16, "grad_hidden")
+
+
 # --- API, compile, opcheck, errors ---------------------------------------------------------------
 
 

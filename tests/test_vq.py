@@ -4,7 +4,10 @@ CPU tier: the Triton kernels under the interpreter against ``sparsefuse.vq.refer
 float64. GPU tier (``-m gpu``): every x dtype and the benchmark shapes.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -486,6 +489,97 @@ def test_unchecked_out_of_range_codes_poison_with_nan(semantics, deterministic):
             assert torch.count_nonzero(part) == 0
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_reset_cluster_size_differs_from_threshold(deterministic):
+    """"laplace" restarts a dead code with N = reset_cluster_size and S = N * v, not N = threshold
+    (the other tests pass reset equal to the threshold, or leave it None, so either one would do)."""
+    x, codes, *state = make(9, 40, 6, used=2)  # codes 2.. unused: most of them dead at threshold 1.5
+    got, want = run_both(x, codes, state, semantics="laplace", threshold=1.5, reset=4.0,
+                         deterministic=deterministic)
+    assert_state(got, want)
+    dead = got[1] == 4.0
+    assert dead.sum() >= 9 and not (got[1] == 1.5).any()
+    assert_close(got[2][dead], got[0][dead] * 4.0, torch.float32, "embed_sum of restarted codes")
+
+
+def test_deterministic_default_follows_torch_flag(monkeypatch):
+    """deterministic=None takes torch.are_deterministic_algorithms_enabled(): with the flag on, the
+    update and batch_statistics sum their statistics in the fixed-order path (on the interpreter both
+    paths give the same numbers, so the choice is observed at the launcher)."""
+    from sparsefuse.vq import kernels
+
+    seen = []
+    real = kernels.ema_accumulate
+
+    def spy(x, codes, cluster_size, counters, deterministic, *args, **kwargs):
+        seen.append(bool(deterministic))
+        return real(x, codes, cluster_size, counters, deterministic, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "ema_accumulate", spy)
+    x, codes, *state = make(13, 6, 5)
+    for flag in (True, False):
+        seen.clear()
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(flag)
+        try:
+            vq_ema_update(x, codes, *[t.clone() for t in state], decay=0.9, semantics="laplace", threshold=1.5)
+            batch_statistics(x, codes, 6)
+        finally:
+            torch.use_deterministic_algorithms(before)
+        assert seen == [flag, flag], (flag, seen)
+
+
+def test_cpu_reference_path_matches_the_reference_update():
+    """Without TRITON_INTERPRET, CPU tensors take the ops' PyTorch implementations (reference.ema_accumulate,
+    ema_apply and the op wiring in ops.py), which no in-process test reaches (conftest turns the
+    interpreter on). Both semantics with restarts, reset_cluster_size unlike the threshold, one and
+    two levels, against reference.ema_update in float64; quantize and nearest_code against their
+    float64 oracles."""
+    code = r"""
+import torch, sparsefuse._registry as r
+from sparsefuse.vq import reference, vq_ema_update, quantize, nearest_code
+assert not r.INTERPRET
+def close(a, b, name):
+    err = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    assert err < 2e-5, (name, err)
+g = torch.Generator().manual_seed(0)
+for L in (None, 2):
+    lead = () if L is None else (L,)
+    x = torch.randn(*lead, 9, 6, generator=g)
+    codes = torch.randint(0, 3, (*lead, 9), generator=g)  # codes 3.. unused
+    cb = torch.randn(*lead, 20, 6, generator=g)
+    cs = torch.rand(*lead, 20, generator=g) * 4
+    es = cb * cs[..., None]
+    cnt = torch.randint(0, 4, (*lead, 20), generator=g)
+    for semantics, kw in (("laplace", dict(threshold=1.5, reset_cluster_size=4.0)),
+                          ("active", dict(restart_after_steps=2))):
+        got = [t.clone() for t in (cb, cs, es, cnt)]
+        vq_ema_update(x, codes, *got, decay=0.8, semantics=semantics, generator=torch.Generator().manual_seed(3), **kw)
+        want = [t.double() if t.is_floating_point() else t.clone() for t in (cb, cs, es, cnt)]
+        reference.ema_update(x.double(), codes, *want, decay=0.8, active=semantics == "active",
+                             threshold=kw.get("threshold", 0.0), reset=kw.get("reset_cluster_size"),
+                             restart_after=kw.get("restart_after_steps", 0), generator=torch.Generator().manual_seed(3))
+        assert (got[3] == 0).sum() > (cnt == 0).sum(), "no restarts"
+        for name, a, b in zip(("codebook", "cluster_size", "embed_sum"), got, want):
+            close(a, b, (L, semantics, name))
+        assert torch.equal(got[3], want[3]), (L, semantics)
+x, c = torch.randn(11, 6, generator=g), torch.randn(5, 6, generator=g)
+codes, dist = nearest_code(x, c)
+want_codes, want_dist = reference.nearest_code_exact(x, c)
+assert torch.equal(codes, want_codes)
+close(dist, want_dist, "dist")
+xg, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+out, loss = quantize(xg, codes, c, 0.3)
+want_out, want_loss = reference.quantize(x64, codes, c.double(), 0.3)
+close(out, want_out, "out")
+close(loss, want_loss, "loss")
+close(torch.autograd.grad(loss, xg)[0], torch.autograd.grad(want_loss, x64)[0], "grad_x")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 def test_ema_update_float64_x():
     x, codes, *state = make(9, 5, 4, dtype=torch.float64)
     got, want = run_both(x, codes, state, semantics="laplace")
@@ -663,6 +757,30 @@ def test_nearest_code_nan_propagates(cosine):
     assert dist.isnan().all()
     assert codes.tolist() == [0 if i in (3, 17) else 33 for i in range(20)]
     assert_nan_rule(x, c, codes, dist, cosine)
+
+
+@pytest.mark.parametrize("precision", ["exact", "ieee", "fast"])
+def test_nearest_code_dist_is_clamped_at_zero(precision):
+    """dist = ||x||^2 + (||c||^2 - 2 x.c) cancels for a row next to its code far from the origin
+    (about 1e4 here, an fp32 ulp of 1e-3): without the clamp a fifth of these rows got a negative
+    squared distance (-0.005), whose square root is NaN."""
+    g = torch.Generator().manual_seed(0)
+    c = 30 + 3 * torch.randn(40, 16, generator=g)
+    x = c[torch.randint(0, 40, (64,), generator=g)] + 1e-3 * torch.randn(64, 16, generator=g)
+    codes, dist = nearest_code(x.to(DEVICE), c.to(DEVICE), precision=precision)
+    assert (dist >= 0).all(), dist.min()
+    if precision != "fast":  # one TF32 product: about 3 significant digits of |x|^2 ~ 1e4
+        assert_search(x, c, codes, dist)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nearest_code_cosine_dist_is_clamped_at_zero(dtype):
+    """Rows along their code: 2 - 2 cos rounds to about -2e-7 in float32 (-4e-16 in float64) for a
+    few of them; the distance is clamped at 0 as the Euclidean one is."""
+    c = torch.randn(40, 16, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    codes, dist = nearest_code((c * 3).to(DEVICE), c.to(DEVICE), cosine=True)
+    assert torch.equal(codes.cpu(), torch.arange(40))
+    assert (dist >= 0).all() and dist.max() < 1e-5, dist
 
 
 def test_nearest_code_float64_and_mixed():
@@ -926,6 +1044,19 @@ def test_kmeans_empty_cluster_keeps_its_centroid():
     assert n.tolist() == [1.0, 1.0, 0.0]
     assert torch.equal(c[2], c[0])
     assert torch.equal((c[:2, None] == x[None]).all(-1).sum(0), torch.ones(2, dtype=torch.long, device=DEVICE))
+
+
+def test_kmeans_init_keeps_an_empty_cluster_consistent():
+    """kmeans_init_ sets N = max(count, 1) and S = N * centroid: an empty cluster (B < K here: code 2
+    starts where code 0 does and gets no row) keeps N = 1 and S = its centroid, so the next refresh
+    keeps it where it is (with N = S = 0 it would be refreshed to the origin)."""
+    x = (torch.randn(2, 4, generator=torch.Generator().manual_seed(0)) + 3).to(DEVICE)
+    vq = VectorQuantizer(4, 3, kmeans_init=True, kmeans_iters=2,
+                         generator=torch.Generator(device=DEVICE).manual_seed(0)).to(DEVICE)
+    vq.kmeans_init_(x)
+    assert vq.cluster_size.tolist() == [1.0, 1.0, 1.0]
+    assert torch.equal(vq.embed_sum, vq.codebook * vq.cluster_size[:, None])
+    assert torch.equal(vq.codebook[2], vq.codebook[0]) and vq.codebook[2].abs().min() > 0
 
 
 @pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])

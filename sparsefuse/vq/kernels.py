@@ -706,7 +706,8 @@ def _nearest_code_fwd_kernel(
         b_dist = 2.0 + 2.0 * b_best / tl.maximum(tl.sqrt(b_xx), 1e-12)
     else:
         b_dist = b_xx + b_best
-        b_dist = tl.where(b_dist < 0.0, 0.0, b_dist)  # not tl.maximum: on a GPU it turns NaN into 0
+    # a squared distance: rounding can take it just below 0, and its square root would be NaN
+    b_dist = tl.where(b_dist < 0.0, 0.0, b_dist)  # not tl.maximum: on a GPU it turns NaN into 0
     first_nan = tl.min(b_nan, axis=0)
     m_xnan = b_xx != b_xx
     b_arg = tl.where(m_xnan, 0, tl.where(first_nan < K, first_nan, b_arg))

@@ -259,7 +259,7 @@ def nearest_code(x, codebook, cosine=False):
     """(codes [B] int64, dist [B] float32/float64) by brute force; ties go to the lowest index.
 
     Squared Euclidean distance, or with ``cosine`` the squared distance between the unit vectors,
-    2 - 2 cos(x, c). Arithmetic in float32 (float64 for float64 inputs). A NaN score ranks before
+    2 - 2 cos(x, c), clamped at 0 against rounding. Arithmetic in float32 (float64 for float64 inputs). A NaN score ranks before
     every number (``torch.argmin``'s order) and gives a NaN distance: a row of x holding a NaN gets
     code 0, and a codebook row holding a NaN is the code of every row of x (the lowest such row).
     """
@@ -270,7 +270,7 @@ def nearest_code(x, codebook, cosine=False):
         score = -_dots(xf, cn)
         codes = score.argmin(1)
         best = score.gather(1, codes[:, None])[:, 0]
-        dist = 2 + 2 * best / xf.norm(dim=1).clamp_min(1e-12)
+        dist = (2 + 2 * best / xf.norm(dim=1).clamp_min(1e-12)).clamp_min(0)
         return codes, dist
     score = (cf * cf).sum(1)[None, :] - 2 * _dots(xf, cf)
     codes = score.argmin(1)
