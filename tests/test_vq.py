@@ -668,7 +668,7 @@ def assert_search(x, c, codes, dist, cosine=False, tol=1e-5):
     second = d.scatter(1, want_codes[:, None], float("inf")).min(1).values
     clear = (second - want_dist) > 10 * tol * scale
     assert torch.equal(codes[clear].cpu(), want_codes[clear].cpu())
-    assert ((dist.double() - want_dist).abs() <= 10 * tol * scale).all(), "distances differ"
+    assert ((dist.double().to(d.device) - want_dist).abs() <= 10 * tol * scale).all(), "distances differ"
 
 
 @pytest.mark.parametrize("cosine", [False, True], ids=["l2", "cos"])
