@@ -162,6 +162,8 @@ def test_fvu_curve_rejects_budgets_outside_1_to_k(ks):
     (dict(decoder="triton"), "decoder must be one of"),
     (dict(encoder="fused"), "encoder must be one of"),
     (dict(k_aux=99), "k_aux must be between 1 and n_latents=24"),
+    (dict(auxk_alpha=float("nan")), r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got nan"),
+    (dict(auxk_alpha=-1.0), r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got -1.0"),
 ])
 def test_bad_arguments(kw, msg):
     args = dict(d_model=D, n_latents=F, k=K) | kw
@@ -453,3 +455,59 @@ def test_initial_decoder_is_the_encoder_transposed(normalize):
     want = w_enc / w_enc.norm(dim=1, keepdim=True) if normalize else w_enc
     assert_close(w_dec, want, torch.float32, "W_dec")
     assert not m.b_dec.any() and not m.b_enc.any()
+
+
+# --- mutation audit 2: ReLU with fewer than K positive pre-activations, eval mode, defaults, load dtype ---
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_relu_when_fewer_than_k_latents_are_positive(encoder, hierarchical):
+    """A negative encoder bias leaves some rows with fewer than K positive pre-activations: the
+    chosen latents past them are 0 (ReLU, then top-k), not negative, in the code and in the loss."""
+    m, x = _model(hierarchical, encoder=encoder, auxk_alpha=0.0), _x()
+    with torch.no_grad():
+        m.b_enc.fill_(-0.4)
+    pre = (x - m.b_dec) @ m.W_enc.T + m.b_enc
+    assert ((pre > 0).sum(1) < K).any(), "the test needs rows with fewer than K positive pre-activations"
+    out = m(x)
+    vals, idx = pre.relu().topk(K, dim=1)
+    assert (out.vals >= 0).all() and (out.vals == 0).any()
+    assert_close(out.vals.detach(), vals.detach(), torch.float64, "vals")
+    prefix = (vals.unsqueeze(-1) * m.W_dec[idx]).cumsum(1) + m.b_dec - x.unsqueeze(1)
+    err = prefix.square().mean((0, 2)) if hierarchical else prefix[:, -1].square().mean()
+    want = (err.mean() if hierarchical else err) / (x - x.mean(0)).square().mean()
+    assert_close(out.recon_loss, want, torch.float64, "recon_loss")
+    got = torch.autograd.grad(out.loss, [m.W_enc, m.b_enc])
+    ref = torch.autograd.grad(want, [m.W_enc, m.b_enc])
+    for name, a, b in zip(("W_enc", "b_enc"), got, ref):
+        assert_close(a, b, torch.float64, f"grad {name}", scale=50)
+
+
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_eval_mode_has_no_auxk(encoder):
+    """AuxK is a training loss (forward runs it only in training mode): in eval mode, with dead
+    latents, the loss is the reconstruction loss alone."""
+    m, x = _model(False, encoder=encoder, auxk_alpha=0.5, dead_tokens=100), _x()
+    m.tokens_since_fired[::3] = 1000
+    assert m(x).auxk_loss > 0
+    m.eval()
+    out = m(x)
+    assert float(out.auxk_loss) == 0.0
+    assert torch.equal(out.loss, out.recon_loss)
+
+
+@pytest.mark.parametrize("d_model, n_latents, want", [(D, F, D // 2), (64, 16, 16), (7, 40, 3)])
+def test_default_k_aux_is_half_d_model(d_model, n_latents, want):
+    """k_aux defaults to min(d_model // 2, n_latents) (the class docstring)."""
+    assert TopKSAE(d_model, n_latents, 1).config["k_aux"] == want
+
+
+def test_load_keeps_the_checkpoint_dtype(tmp_path):
+    """A float64 checkpoint loads as float64 (not float32), with the same losses."""
+    m, x = _model(False, dtype=torch.float64), _x()
+    path = str(tmp_path / "sae.safetensors")
+    m.save(path)
+    back = TopKSAE.load(path, device=DEVICE)
+    assert all(p.dtype == torch.float64 for p in back.parameters())
+    assert torch.equal(m(x).loss, back(x).loss)

@@ -87,6 +87,10 @@ def _write(tmp_path, name, x):
     ("mean-active", r"mean_active must be a positive finite number, got nan"),
     ("n-samples", r"n_samples \(synthetic training rows\) must be >= 1, got -100"),
     ("dead-tokens", r"dead_tokens must be >= 0, got -1"),
+    ("auxk-inf", r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got inf"),
+    ("auxk-negative", r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got -0.5"),
+    ("lr-inf", r"lr must be finite and > 0, got inf"),
+    ("lr-zero", r"lr must be finite and > 0, got 0.0"),
     ("float64-overflow", r"contain 1 finite values beyond float32's range, which float32 makes infinite in 1 rows"),
 ])
 def test_bad_input_messages(tmp_path, capsys, case, msg):
@@ -114,6 +118,10 @@ def test_bad_input_messages(tmp_path, capsys, case, msg):
         args += ["--n-samples", "-100"]
     elif case == "dead-tokens":
         args += ["--dead-tokens", "-1"]
+    elif case.startswith("auxk-"):  # inf trained a NaN model and exited 0
+        args += ["--auxk-alpha", "inf" if case == "auxk-inf" else "-0.5"]
+    elif case.startswith("lr-"):  # Adam itself accepts an infinite learning rate
+        args += ["--lr", "inf" if case == "lr-inf" else "0"]
     elif case == "float64-overflow":  # finite in the file, infinite in float32: not "non-finite in the file"
         x = np.ones((20, 4), np.float64)
         x[7, 2] = 1e39
@@ -255,3 +263,145 @@ def test_activation_files_pick_the_named_tensor_and_convert_to_float32(tmp_path)
     np.save(npy, x.numpy().astype(np.int32))
     got = load_activations(npy)
     assert got.dtype == torch.float32 and torch.equal(got, x.float())
+
+
+# --- mutation audit 2: the training loop replayed by hand, the held-out split, the data loader's checks ---
+
+REPLAY_CFG = dict(losses=("hierarchical",), k=2, n_latents=32, batch_size=16, steps=5, n_samples=48, eval_rows=8,
+                  d_model=6, n_features=10, mean_active=2.0, dead_tokens=16, auxk_alpha=0.5, lr=1e-2, log_every=2,
+                  out=None, progress=False, device="cpu")
+
+
+def _record_calls(monkeypatch):
+    """Record what the trainer passes to TopKSAE.forward and TopKSAE.fvu_curve (while ``rec["on"]``)."""
+    from sparsefuse.sae import modules
+
+    rec = {"on": True, "forward": [], "fvu_x": []}
+    real_forward, real_fvu = modules.TopKSAE.forward, modules.TopKSAE.fvu_curve
+
+    def forward(self, x, variance=None):
+        out = real_forward(self, x, variance)
+        if rec["on"]:
+            rec["forward"].append((x.detach().clone(), variance, float(out.recon_loss)))
+        return out
+
+    def fvu_curve(self, x, *a, **kw):
+        if rec["on"]:
+            rec["fvu_x"].append(x.detach().clone())
+        return real_fvu(self, x, *a, **kw)
+
+    monkeypatch.setattr(modules.TopKSAE, "forward", forward)
+    monkeypatch.setattr(modules.TopKSAE, "fvu_curve", fvu_curve)
+    return rec
+
+
+def test_trainer_steps_equal_a_hand_written_loop(monkeypatch):
+    """The trainer's weights, dead-latent clock and logged history equal a plain loop over the same
+    batches: loss (reconstruction + auxk_alpha * AuxK) backward, radial gradient removed, Adam step,
+    gradients cleared, rows renormalised, the clock advanced by the batch. AuxK is on (latents die
+    after 16 tokens) with a weight other than the default, and the run is logged every 2 steps."""
+    from sparsefuse.sae import train as train_mod
+
+    cfg = TrainConfig(**REPLAY_CFG)
+    rec = _record_calls(monkeypatch)
+    run = train_sae(cfg, log=lambda *_: None)["hierarchical"]
+    rec["on"] = False
+    assert len(rec["forward"]) == cfg.steps and all(x.shape == (16, 6) for x, _, _ in rec["forward"])
+    assert run.model.config["auxk_alpha"] == 0.5 and run.model.config["dead_tokens"] == 16
+    train, _, _ = train_mod._load_data(cfg)
+    model = TopKSAE(6, 32, 2, hierarchical=True, auxk_alpha=0.5, dead_tokens=16, seed=cfg.seed)
+    with torch.no_grad():
+        model.b_dec.copy_(train.double().mean(0).float())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    history, auxk_seen = {"step": [], "loss": [], "dead_frac": []}, False
+    for step, (xb, variance, _) in enumerate(rec["forward"], 1):
+        out = model(xb, variance)
+        auxk_seen |= bool(out.auxk_loss > 0)
+        out.loss.backward()
+        model.remove_parallel_grad_()
+        opt.step()
+        opt.zero_grad()
+        model.normalize_decoder_()
+        model.record_firing(model.fired_counts(out.indices, out.vals), xb.shape[0])
+        if step % 2 == 0 or step == cfg.steps:
+            history["step"].append(step)
+            history["loss"].append(float(out.recon_loss))
+            history["dead_frac"].append(float(model.dead_mask().float().mean()))
+    assert auxk_seen, "the test should exercise AuxK"
+    assert run.history["step"] == [2, 4, 5]
+    assert run.history["loss"] == pytest.approx(history["loss"], rel=1e-5)
+    assert run.history["loss"] == pytest.approx([rec["forward"][s - 1][2] for s in (2, 4, 5)], rel=1e-6)
+    assert run.history["dead_frac"] == history["dead_frac"] and 0 < history["dead_frac"][-1] < 1
+    for name, want in model.state_dict().items():
+        got = run.model.state_dict()[name]
+        if want.dtype.is_floating_point:
+            err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+            assert err < 1e-5, f"{name}: the trainer differs from the hand-written loop by {err:.2e}"
+        else:
+            assert torch.equal(got, want), name
+
+
+def _row_ids(batch, rows):
+    """The index in ``rows`` of every row of ``batch`` (each must match exactly one)."""
+    hit = (batch[:, None, :] == rows[None, :, :]).all(-1)
+    assert (hit.sum(1) == 1).all(), "a batch row is not exactly one row of the data"
+    return hit.int().argmax(1)
+
+
+def test_synthetic_split_and_epochs(monkeypatch):
+    """Synthetic data: the FVU curve is measured on the eval_rows rows after the n_samples training
+    rows, which training never sees; each epoch visits every training row exactly once."""
+    cfg = TrainConfig(**REPLAY_CFG)
+    rec = _record_calls(monkeypatch)
+    train_sae(cfg, log=lambda *_: None)
+    full, _ = synthetic_activations(48 + 8, 6, 10, 2.0, cfg.noise, cfg.seed)
+    assert len(rec["fvu_x"]) == 1 and torch.equal(rec["fvu_x"][0], full[48:])
+    ids = [_row_ids(x, full) for x, _, _ in rec["forward"]]
+    assert all((i < 48).all() for i in ids), "a held-out row was trained on"
+    # 3 batches of 16 per epoch of 48 rows: the first epoch, then 2 batches of the second
+    assert torch.equal(torch.cat(ids[:3]).sort().values, torch.arange(48))
+    assert torch.cat(ids[3:]).unique().numel() == 32
+
+
+@pytest.mark.parametrize("eval_rows, n_eval", [(8192, 20), (14, 14)])
+def test_file_split_holds_out_the_last_rows(tmp_path, monkeypatch, eval_rows, n_eval):
+    """A data file: the last min(eval_rows, N // 10) rows are held out for the FVU curve and never
+    trained on; an epoch covers the other rows once."""
+    x = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
+    path = str(tmp_path / "acts.npy")
+    np.save(path, x.numpy())
+    n_train = 200 - n_eval
+    batch = n_train // 3
+    rec = _record_calls(monkeypatch)
+    train_sae(TrainConfig(data=path, k=2, n_latents=8, batch_size=batch, steps=3, eval_rows=eval_rows, out=None,
+                          progress=False, device="cpu"), log=lambda *_: None)
+    assert torch.equal(rec["fvu_x"][0], x[-n_eval:])
+    ids = torch.cat([_row_ids(xb, x) for xb, _, _ in rec["forward"]])
+    assert torch.equal(ids.sort().values, torch.arange(n_train))
+
+
+def test_load_activations_refuses_an_ambiguous_dict(tmp_path):
+    """Several tensors and none named "activations": an error, not whichever tensor comes first."""
+    path = str(tmp_path / "acts.pt")
+    torch.save({"labels": torch.zeros(20, 4), "acts": torch.ones(20, 4)}, path)
+    with pytest.raises(ValueError, match="holds 2 tensors; name the activations 'activations'"):
+        load_activations(path)
+
+
+def test_check_activations_rejects_empty_width_and_wrong_d_model():
+    from sparsefuse.sae.data import check_activations
+
+    with pytest.raises(ValueError, match=r"activations are empty \(shape \(5, 0\)\)"):
+        check_activations(torch.zeros(5, 0))
+    with pytest.raises(ValueError, match="activations have D=3, the SAE expects d_model=4"):
+        check_activations(torch.zeros(5, 3), d_model=4)
+    assert check_activations(torch.zeros(5, 4, dtype=torch.float64), d_model=4).dtype == torch.float32
+
+
+def test_synthetic_noise_is_relative_to_the_signal():
+    """noise is the noise std as a fraction of the signal's mean per-element std (module docstring)."""
+    clean, _ = synthetic_activations(2000, 8, 64, 20.0, noise=0.0, seed=1)
+    noisy, _ = synthetic_activations(2000, 8, 64, 20.0, noise=0.1, seed=1)
+    signal_std = float(clean.std(0).mean())
+    assert signal_std > 2  # far from 1, so an absolute noise std would show
+    assert float((noisy - clean).std()) == pytest.approx(0.1 * signal_std, rel=0.05)
