@@ -982,3 +982,16 @@ def test_kd_peak_verdict_is_not_given_for_a_misread_peak():
     us.extra["peak_below_results_mib"] = 1064.0
     line = kd._targets([us, mm])
     assert "1.5 GiB: met" not in line and "1.5 GiB: not met" not in line and "peak extra misread" in line
+
+
+def test_speedup_table_footer_names_only_the_gpus_of_its_rows_and_is_empty_without_rows():
+    """The footer's GPUs are those of the rows shown (a fwd-mode result measured elsewhere is not in
+    a full-mode table), and a table with no result of ours is "" rather than a bare header (the VQ
+    CUDA-graph section printed one when a run had no graph results)."""
+    ours, base = _res("op", "sparsefuse", {"K": 8}, 1.0), _res("op", "torch", {"K": 8}, 2.0)
+    other = _res("op", "sparsefuse", {"K": 8}, 1.0)
+    other.mode, other.gpu = "fwd", "Other GPU"
+    text = harness.speedup_table([ours, base, other])
+    assert "Other GPU" not in text and f"Measured on {ours.gpu};" in text
+    assert harness.speedup_table([base]) == ""
+    assert harness.speedup_table([other]) == ""

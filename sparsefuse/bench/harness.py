@@ -352,7 +352,8 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
                   mode: str = "full", shape_keys: Optional[list] = None, device_baselines=()) -> str:
     """Markdown: one row per (op, dtype, shape); ms for each provider and our speed-up over each baseline.
     ``device_baselines`` adds our device time (:func:`device_time`) and the speed-up in device time
-    over each of those baselines."""
+    over each of those baselines. "" when no row has a result of ``ours`` in ``mode``; the footer
+    names the GPUs of the rows shown."""
     rows = {}
     for r in results:
         if r.mode != mode:
@@ -366,11 +367,13 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         head += [f"{ours} device ms"] + [f"vs {b}, device" for b in device_baselines]
     head += [f"{ours} peak MiB", f"{ours} GB/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    shown = []
     for (op, dtype, shape_json), by in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], _shape_order(kv[0][2]))):
         shape = json.loads(shape_json)
         us = by.get(ours)
         if us is None:
             continue
+        shown += [us] + [by[b] for b in baselines if b in by]
         shape_txt = " ".join(f"{k}={shape[k]}" for k in (keys or shape))
         cells = [op, dtype, shape_txt, f"{us.ms:.3f}"]
         cells += [f"{by[b].ms:.3f}" if b in by else "—" for b in baselines]
@@ -382,7 +385,9 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         misread = " (misread)" if "peak_below_results_mib" in us.extra else ""
         cells += [f"{us.peak_extra_mib:.0f}{misread}", f"{us.gbps:.0f}" if us.gbps else "—"]
         lines.append("| " + " | ".join(cells) + " |")
-    gpus = sorted({r.gpu for r in results})
+    if not shown:
+        return ""
+    gpus = sorted({r.gpu for r in shown})
     lines.append("")
     what = ("(forward + backward unless stated); peak MiB is the extra memory the call allocates, gradients included"
             if mode == "full" else "(no backward); peak MiB is the extra memory the call allocates")
