@@ -114,7 +114,7 @@ class TopKSAE(nn.Module):
             raise ValueError(f"decoder must be one of {sorted(DECODERS)}, got {decoder!r}")
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {list(ENCODERS)}, got {encoder!r}")
-        if not (math.isfinite(auxk_alpha) and auxk_alpha >= 0):  # NaN made the loss NaN with AuxK off
+        if not (math.isfinite(auxk_alpha) and auxk_alpha >= 0):  # inf trained a NaN model; NaN a NaN loss
             raise ValueError(f"auxk_alpha must be finite and >= 0 (0 turns AuxK off), got {auxk_alpha}")
         self.config = dict(
             d_model=d_model, n_latents=n_latents, k=k, hierarchical=hierarchical,

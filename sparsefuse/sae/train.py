@@ -234,8 +234,6 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"steps and batch_size must be >= 1, got steps={cfg.steps}, batch_size={cfg.batch_size}")
     if cfg.eval_rows < 2:
         raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
-    if not (math.isfinite(cfg.auxk_alpha) and cfg.auxk_alpha >= 0):  # inf: a NaN model and exit status 0
-        raise ValueError(f"auxk_alpha must be finite and >= 0 (0 turns AuxK off), got {cfg.auxk_alpha}")
     if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):  # Adam accepts inf
         raise ValueError(f"lr must be finite and > 0, got {cfg.lr}")
     if cfg.dead_tokens is not None and cfg.dead_tokens < 0:
