@@ -4,8 +4,10 @@ The CPU tier runs kernels under the interpreter, which does not type-check: a he
 fp32 in one constexpr branch and fp64 in the other, or a loop-carried variable that changes type,
 only fails when the kernel is compiled for a GPU. This compiles every dtype and flag variant of the
 kernels built on ``sparsefuse/_segsum.py`` (the SAE weight gradient, the chunk kernel, the
-deterministic VQ statistics) and of the KD weight gradient (accumulators, row dtypes, key dtypes,
-optional pointers), and exits non-zero naming the first that fails. Run it without ``TRITON_INTERPRET`` (tests/test_launch.py does, in a subprocess)."""
+deterministic VQ statistics), of the KD weight gradient (accumulators, row dtypes, key dtypes,
+optional pointers) and of the KD row kernels (dtypes, normalisations, cross-entropy), and exits
+non-zero naming the first that fails. Run it without ``TRITON_INTERPRET`` (tests/test_launch.py
+does, in a subprocess)."""
 import itertools
 import os
 import sys
@@ -68,6 +70,22 @@ def variants():
                dict(seg_ptr="*i64", key_ptr="*i64", order_ptr="*i64", g_ptr="*" + acc, h_ptr="*" + h,
                     gw_ptr="*" + h, V="i32", H="i32", K="i32", alpha="fp32"),
                dict(SPLIT=h in ("bf16", "fp16"), ACC=accs[acc], BLOCK_V=64, BLOCK_E=32, BLOCK_H=128))
+    for (z, acc), normalize, ce in itertools.product((("bf16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")),
+                                                     (0, 1, 2), (False, True)):
+        a = "*" + acc
+        yield (f"kd row forward z={z} normalize={normalize} ce={ce}", kd._kd_row_fwd_kernel,
+               dict(z_ptr="*" + z, ids_ptr="*i64", t_ptr="*" + z, m_ptr="*u8", lab_ptr="*i64", tok_ptr=a,
+                    flag_ptr=a, lse_ptr=a, a_ptr=a, corr_ptr=a, ce_ptr=a, lse1_ptr=a, srt_ptr="*i32", V="i32",
+                    K="i32", stride_zn="i32", inv_t="fp32", temperature="fp32"),
+               dict(NORMALIZE=normalize, HAS_CE=ce, SEP_CE=ce and normalize == 0, ACC=accs[acc], BLOCK_V=4096,
+                    BLOCK_K=64, **({} if ce else dict(lab_ptr=None, ce_ptr=None, lse1_ptr=None)),
+                    **({} if normalize == 2 else dict(srt_ptr=None))))
+        yield (f"kd row backward z={z} normalize={normalize} ce={ce}", kd._kd_row_bwd_kernel,
+               dict(z_ptr="*" + z, g_ptr="*" + z, ids_ptr="*i64", m_ptr="*u8", lab_ptr="*i64", lse_ptr=a, a_ptr=a,
+                    corr_ptr=a, lse1_ptr=a, gl_ptr=a, gt_ptr=a, scale_ptr=a, V="i32", K="i32", stride_zn="i32",
+                    stride_gn="i32", inv_t="fp32", temperature="fp32", v_per_prog="i32"),
+               dict(NORMALIZE=normalize, HAS_CE=ce, HAS_GL=True, HAS_GT=True, ACC=accs[acc], BLOCK_V=4096,
+                    BLOCK_K=64, **({} if ce else dict(lab_ptr=None, lse1_ptr=None))))
 
 
 def main() -> int:

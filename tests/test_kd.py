@@ -231,13 +231,13 @@ def test_tail_when_the_student_puts_all_its_mass_on_the_slots(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("form", ["logits", "hidden"])
-def test_tail_gradient_stays_bounded_when_1_minus_q_is_clamped(dtype, form):
-    """A confident student: its mass off the K slots is below what lse_V - lse_K resolves, so 1 - Q
-    is clamped (float32 here), or K = V makes Q = 1 exactly (both dtypes). The clamped term passes no
-    gradient, as under autograd in the reference; (1 - P) / tiny once gave gradients of ~1e27 in
-    float32, and zeros for K = V."""
+def test_tail_gradient_stays_bounded_at_the_extremes(dtype, form):
+    """A student whose mass off the K slots underflows the dtype (log(1 - Q) still comes from
+    lse_tail - lse_V), and K = V (no column off the slots: 1 - Q = 0 is taken as the smallest normal
+    number, and the tail term passes no gradient, as under autograd in the reference). Both match the
+    reference; (1 - P) / tiny once gave gradients of ~1e27 in float32, and zeros for K = V."""
     V, K = 40, 4
-    big = 20.0 if dtype == torch.float32 else 40.0  # off-slot mass ~1e-8 / ~1e-17: below an ulp of lse_V
+    big = 100.0 if dtype == torch.float32 else 750.0  # off-slot mass ~1e-42 / ~1e-324: exp underflows
     for gap, k in ((big, K), (0.0, V)):
         z = torch.zeros(2, V, dtype=torch.float64)
         z[:, :k] = gap + torch.arange(k, dtype=torch.float64) * 0.1  # the slots far above the rest
@@ -259,6 +259,50 @@ def test_tail_gradient_stays_bounded_when_1_minus_q_is_clamped(dtype, form):
         want = torch.autograd.grad(theirs(*((x_ref,) + args[1:]), normalize="tail")[0], [x_ref])[0]
         assert got.abs().max() < 1, (gap, k, got.abs().max())
         assert_close(got, want, dtype, f"grad (gap {gap}, K {k})")
+
+
+def _confident_student(dtype, gaps, V=40, K=4, P=0.9, seed=0):
+    """Logits whose K slots (spread over the vocabulary) sit gaps[n] above the other columns, so the
+    student's mass off its slots is about (V - K) * exp(-gap); a teacher with mass P on the slots."""
+    g = torch.Generator().manual_seed(seed)
+    N = len(gaps)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])
+    z = torch.randn(N, V, generator=g, dtype=torch.float64) * 0.5
+    top = torch.tensor(gaps, dtype=torch.float64)[:, None] + torch.randn(N, K, generator=g, dtype=torch.float64) * 0.3
+    z = z.scatter(1, ids, top)
+    t = torch.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1) + math.log(P)
+    return z.to(DEVICE, dtype), ids.to(DEVICE), t.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("form", ["logits", "hidden", "cpu-implementation"])
+def test_tail_resolves_a_confident_students_off_slot_mass(form):
+    """float32, a student far more confident than its teacher (mass off the slots 1e-2 down to 1e-42,
+    where exp underflows, against the teacher's 0.1): the case where the tail term does its work.
+    log(1 - Q) is lse_tail - lse_V, a logsumexp over the columns off the slots; 1 - exp(lse_K - lse_V)
+    resolved nothing below an ulp of lse_V (~2e-6 here): a loss 4x off at 1.6e-7. And the slot
+    columns' gradient q_k - p_k is not the difference of two terms of size r = (1 - P) / (1 - Q).
+    Loss and gradient against float64 from the same float32 inputs."""
+    z, ids, t = _confident_student(torch.float32, [6.0, 10.0, 14.0, 18.0, 20.0, 100.0])
+    z64 = leaf(z.double())
+    want_tok = ref.topk_kd_loss_from_logits(z64, ids, t.double(), normalize="tail")[1]
+    (want_g,) = torch.autograd.grad(want_tok.sum(), [z64])
+    x = leaf(z)
+    if form == "logits":
+        loss, tok = sparsefuse.topk_kd_loss_from_logits(x, ids, t, normalize="tail", reduction="sum",
+                                                        return_per_token=True)
+        (got_g,) = torch.autograd.grad(loss, [x])
+    elif form == "hidden":  # the logits themselves through an identity LM head
+        eye = torch.eye(z.shape[1], dtype=z.dtype, device=DEVICE)
+        loss, tok = sparsefuse.topk_kd_loss_from_hidden(x, eye, ids, t, normalize="tail", reduction="sum",
+                                                        return_per_token=True)
+        (got_g,) = torch.autograd.grad(loss, [x])
+    else:  # the ops' PyTorch implementation, which CPU tensors take without the interpreter
+        m = torch.ones_like(ids, dtype=torch.bool)
+        _, tok, scale, lse, A, corr = ref.kd_logits_fwd(z, ids, t, m, 2, 1.0, 0, None, 1.0)
+        got_g = ref.kd_logits_bwd(torch.ones((), device=DEVICE), None, z, ids, m, lse, A, corr, scale, 2, 1.0)
+    for n in range(z.shape[0]):  # row by row: every off-slot mass must be right, not only the largest
+        assert_close(tok[n], want_tok[n], torch.float32, f"loss of row {n}")
+        assert_close(got_g[n], want_g[n], torch.float32, f"gradient of row {n}")
 
 
 def test_tail_refuses_repeated_unmasked_ids():

@@ -4,12 +4,12 @@ Notation as in ``reference.py``: N tokens, V vocab, H hidden, K teacher slots pe
 ``ACC`` is the accumulation dtype (float32, or float64 for float64 inputs).
 
 One math core, ``_kd_slot_terms``, turns a token's gathered student logits, teacher log-probs and
-mask (plus lse_V unless "topk") into the per-token loss, the dense gradient coefficient A and the
-per-slot corrections; every entry point calls it:
+mask (plus lse_V for "full", the logsumexp over the columns off the slots for "tail") into the
+per-token loss, the dense gradient coefficient A and the per-slot values; every entry point calls it:
 
 * gathered: ``_kd_topk_kernel`` on [N, K] tiles, forward (per-token loss) and backward (gradient).
 * from logits: ``_kd_row_fwd_kernel`` (online logsumexp over V in tiles, then the K gathered
-  terms; saves lse, A and the slot corrections, O(N*K)) and ``_kd_row_bwd_kernel`` (one pass that
+  terms; saves lse, A and the slot values, O(N*K)) and ``_kd_row_bwd_kernel`` (one pass that
   writes dL/dz = c * T * A * q_j over the row, then the slot values: no [N, V] fp32 temporaries).
 * from hidden: tokens in chunks; per chunk a cuBLAS matmul gives the logits, the same two row
   kernels compute the loss and overwrite the chunk's logits with their gradient in place, and two
@@ -58,17 +58,11 @@ _SCALE_BLOCK = 1024 if INTERPRET else 8192
 #: Target size of one chunk of logits in the from-hidden path (chunk rows = this / (V * itemsize)).
 CHUNK_BYTES = 256 * 2**20
 IGNORE = tl.constexpr(IGNORE_INDEX)
+_NO_ID = tl.constexpr(2**31 - 1)  # past every vocabulary tile (the "tail" forward's slot walk)
 
 
 def _tl_dtype(dt: torch.dtype):
     return tl.float64 if dt == torch.float64 else tl.float32
-
-
-@triton.jit
-def _expm1(x):
-    """exp(x) - 1, accurate near 0 (series below |x| = 0.02, exact enough for float64 too)."""
-    b_ser = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x / 5040))))))
-    return tl.where(tl.abs(x) < 0.02, b_ser, tl.exp(x) - 1.0)
 
 
 @triton.jit
@@ -84,9 +78,10 @@ def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr, ACC: tl.co
     """The math core, on [R, BLOCK_K] tiles of R tokens.
 
     b_s: student s = z / T at the slots; b_t: teacher log-probs; m_valid: unmasked, in-range slots;
-    b_lse: [R] logsumexp of s over the vocab (ignored for "topk"); ACC: their dtype. Returns
-    (loss [R] without T**2, A [R], corr [R, BLOCK_K]) as documented in reference.py; zero for
-    tokens with no valid slot.
+    b_lse: [R] logsumexp of s over the vocab for "full", over the columns off the valid slots
+    (lse_tail) for "tail", ignored for "topk"; ACC: their dtype. Returns (loss [R] without T**2,
+    A [R], corr [R, BLOCK_K], lse_V [R]) as documented in reference.py ("tail": A multiplies
+    exp(s_j - lse_tail), and corr holds the slot columns' whole value); zero for tokens with no valid slot.
     """
     b_p = tl.where(m_valid, tl.exp(b_t), 0.0)  # [R, BLOCK_K]
     b_P = tl.sum(b_p, 1)  # [R]
@@ -97,6 +92,12 @@ def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr, ACC: tl.co
     b_e = tl.exp(b_sm - b_mx[:, None])  # [R, BLOCK_K], 0 on invalid slots
     b_se = tl.where(m_has, tl.sum(b_e, 1), 1.0)
     b_lse_k = b_mx + tl.log(b_se)
+    if NORMALIZE == 2:  # lse_V = logaddexp(lse_K, lse_tail); lse_K is -inf without a valid slot
+        b_tail = b_lse
+        b_lk = tl.where(m_has, b_lse_k, float("-inf"))
+        b_hi = tl.maximum(b_lk, b_tail)
+        b_hr = tl.where(b_hi == float("-inf"), 0.0, b_hi)
+        b_lse = b_hr + tl.log(tl.exp(b_lk - b_hr) + tl.exp(b_tail - b_hr))
     if NORMALIZE == 0:
         b_loss = b_cross + b_P * b_lse_k
         b_A = b_P * 0.0
@@ -107,24 +108,26 @@ def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr, ACC: tl.co
             b_A = b_P
             b_corr = -b_p
         else:
-            b_d = b_lse_k - b_lse  # log Q <= 0
-            if ACC == tl.float64:  # 1 - Q clamped to the smallest normal number of ACC (finfo.tiny)
-                b_tiny = 2.2250738585072014e-308
+            # log(1 - Q) = lse_tail - lse_V, exact however small 1 - Q is. With no column off the
+            # slots (K = V) 1 - Q = 0 is taken as the smallest normal number of ACC (finfo.tiny):
+            # the tail term saturates and passes no gradient.
+            if ACC == tl.float64:  # (tl.full: a bare float literal would be rounded to fp32)
+                b_log_tiny = tl.full([], -708.3964185322641, ACC)
             else:
-                b_tiny = 1.1754943508222875e-38
-            b_omq = -_expm1(b_d)
-            m_clamped = b_omq < b_tiny
-            b_omq = tl.maximum(b_omq, b_tiny)
+                b_log_tiny = tl.full([], -87.3365447505531, ACC)
+            m_none = b_tail == float("-inf")
+            b_log_omq = tl.where(m_none, b_log_tiny, b_tail - b_lse)
             b_omp = tl.maximum(1.0 - b_P, 0.0)
             b_log_omp = tl.log(tl.where(b_omp > 0, b_omp, 1.0))
-            b_loss += tl.where(b_omp > 0, b_omp * (b_log_omp - tl.log(b_omq)), 0.0)
-            # a clamped 1 - Q passes no gradient (as the clamp does in the reference): r = (1 - P) / tiny
-            # would give slot and off-slot terms of ~1e36 that cancel only in exact arithmetic
-            b_r = tl.where(m_clamped, 0.0, b_omp / b_omq)
-            b_A = b_P - b_r * tl.exp(b_d)
-            b_corr = b_r[:, None] * tl.exp(b_s - b_lse[:, None]) - b_p
+            b_loss += tl.where(b_omp > 0, b_omp * (b_log_omp - b_log_omq), 0.0)
+            # The gradient never forms r = (1 - P) / (1 - Q), which grows without bound as 1 - Q -> 0:
+            # slot columns (P + (1 - P)) q_k - p_k, and off the slots A * exp(s_j - lse_tail) with
+            # A = P (1 - Q) - (1 - P) Q (the tail bucket's q - p, spread as the student's softmax there).
+            b_omp_g = tl.where(m_none, 0.0, b_omp)
+            b_A = b_P * tl.exp(b_tail - b_lse) - b_omp_g * tl.exp(b_lse_k - b_lse)
+            b_corr = (b_P + b_omp_g)[:, None] * tl.exp(b_s - b_lse[:, None]) - b_p
     b_corr = tl.where(m_valid, b_corr, 0.0)
-    return tl.where(m_has, b_loss, 0.0), tl.where(m_has, b_A, 0.0), b_corr
+    return tl.where(m_has, b_loss, 0.0), tl.where(m_has, b_A, 0.0), b_corr, b_lse
 
 
 @triton.jit
@@ -168,7 +171,7 @@ def _kd_topk_kernel(
     b_s = tl.load(z_ptr + o_2, mask=m_2, other=0).to(ACC) * inv_t
     b_t = tl.load(t_ptr + o_2, mask=m_2, other=0).to(ACC)
     m_valid = m_2 & (tl.load(m_ptr + o_2, mask=m_2, other=0) != 0)
-    b_loss, b_A, b_corr = _kd_slot_terms(b_s, b_t, m_valid, tl.zeros([BLOCK_N], dtype=ACC), 0, ACC)
+    b_loss, b_A, b_corr, _ = _kd_slot_terms(b_s, b_t, m_valid, tl.zeros([BLOCK_N], dtype=ACC), 0, ACC)
     if IS_BWD:
         b_f = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(gl_ptr).to(ACC) * tl.load(scale_ptr).to(ACC)
         if HAS_GT:
@@ -188,11 +191,12 @@ def _kd_row_fwd_kernel(
     lab_ptr,  # [N] int labels (HAS_CE)
     tok_ptr,  # [N] ACC out: per-token KD loss (T**2 included)
     flag_ptr,  # [N] ACC out: 1 if the token has an unmasked slot
-    lse_ptr,  # [N] ACC out: logsumexp_j s_j (NORMALIZE > 0)
+    lse_ptr,  # [N] ACC out: logsumexp_j s_j ("full"), over the columns off the valid slots ("tail")
     a_ptr,  # [N] ACC out: dense coefficient A
-    corr_ptr,  # [N, K] ACC out: slot corrections
+    corr_ptr,  # [N, K] ACC out: slot corrections ("tail": the slot columns' values)
     ce_ptr,  # [N] ACC out: per-token cross-entropy (HAS_CE)
     lse1_ptr,  # [N] ACC out: logsumexp_j z_j (HAS_CE)
+    srt_ptr,  # [N, BLOCK_K] int32 scratch: the valid slot ids in ascending order ("tail")
     V,
     K,
     stride_zn,
@@ -207,10 +211,25 @@ def _kd_row_fwd_kernel(
 ):
     i_n = tl.program_id(0).to(tl.int64)
     p_z = z_ptr + i_n * stride_zn
+    if NORMALIZE == 2:
+        o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
+        # Sort the valid ids into this row's scratch (rank = valid ids before it, ties by slot), so
+        # that the sweep below walks them with one scalar load per slot.
+        p_srt = srt_ptr + i_n * BLOCK_K
+        m_tie = (b_ids[None, :] == b_ids[:, None]) & (o_k[None, :] < o_k[:, None])
+        m_before = ((b_ids[None, :] < b_ids[:, None]) | m_tie) & m_valid[None, :]  # [BLOCK_K, BLOCK_K]
+        b_rank = tl.sum(m_before.to(tl.int32), 1)
+        tl.store(p_srt + b_rank, b_ids.to(tl.int32), mask=m_valid)
+        n_valid = tl.sum(m_valid.to(tl.int32), 0)
+        tl.debug_barrier()
+        j_next = 0
+        b_next = tl.load(p_srt, mask=n_valid > 0, other=_NO_ID)  # the smallest valid id not yet passed
     b_lse = 0.0
     b_lse1 = 0.0
     if NORMALIZE > 0 or SEP_CE:
         # Online logsumexp, one tile max per iteration: one exp per element (two with SEP_CE and KD).
+        # "tail" sums only the columns off the valid slots (lse_V comes from it and lse_K after), so
+        # that 1 - Q keeps its relative precision however confident the student is.
         b_m = tl.full([], float("-inf"), ACC)
         b_l = tl.zeros([], dtype=ACC)
         b_m1 = tl.full([], float("-inf"), ACC)
@@ -219,18 +238,32 @@ def _kd_row_fwd_kernel(
             o_v = i_v + tl.arange(0, BLOCK_V)
             b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V]
             if NORMALIZE > 0:
-                b_m, b_l = _lse_step(b_m, b_l, b_z * inv_t)
+                b_x = b_z * inv_t
+                if NORMALIZE == 2:  # this tile's slots, in id order: a compare per column per slot
+                    m_slot = o_v < 0
+                    while b_next < i_v + BLOCK_V:
+                        m_slot |= o_v == b_next
+                        j_next += 1
+                        b_next = tl.load(p_srt + j_next, mask=j_next < n_valid, other=_NO_ID)
+                    b_x = tl.where(m_slot, float("-inf"), b_x)
+                b_m, b_l = _lse_step(b_m, b_l, b_x)
             if SEP_CE:
                 b_m1, b_l1 = _lse_step(b_m1, b_l1, b_z)
-        if NORMALIZE > 0:
-            b_lse = b_m + tl.log(b_l)
-            tl.store(lse_ptr + i_n, b_lse)
+        if NORMALIZE > 0:  # ("tail" with every column a slot sums nothing: -inf)
+            b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
         if SEP_CE:
             b_lse1 = b_m1 + tl.log(b_l1)
-    o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
+    if NORMALIZE != 2:  # (after the sweep: loaded before it, the slots cost "full" 4% on an H100)
+        o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     b_s = tl.load(p_z + b_ids, mask=m_valid, other=0).to(ACC) * inv_t  # [BLOCK_K]
     b_lse_r = tl.zeros([1], dtype=ACC) + b_lse
-    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], b_lse_r, NORMALIZE, ACC)
+    b_loss, b_A, b_corr, b_lse_v = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], b_lse_r, NORMALIZE,
+                                                  ACC)
+    b_lse_v = tl.sum(b_lse_v, 0)
+    if NORMALIZE == 1:
+        tl.store(lse_ptr + i_n, b_lse_v)
+    if NORMALIZE == 2:  # the backward's off-slot q_j divide by lse_tail (lse_V when no column is off the slots)
+        tl.store(lse_ptr + i_n, tl.where(b_lse == float("-inf"), b_lse_v, b_lse))
     b_loss = tl.sum(b_loss, 0) * (temperature * temperature)
     b_loss = tl.where(tl.sum(m_bad.to(tl.int32), 0) > 0, float("nan"), b_loss)
     tl.store(tok_ptr + i_n, b_loss)
@@ -239,7 +272,7 @@ def _kd_row_fwd_kernel(
     tl.store(corr_ptr + i_n * K + o_k, tl.where(m_bad, float("nan"), tl.sum(b_corr, 0)), mask=m_k)
     if HAS_CE:
         if not SEP_CE:
-            b_lse1 = b_lse
+            b_lse1 = b_lse_v
         i_lab = tl.load(lab_ptr + i_n).to(tl.int64)
         has = i_lab != IGNORE
         ok = has & (i_lab >= 0) & (i_lab < V)
@@ -256,7 +289,7 @@ def _kd_row_bwd_kernel(
     ids_ptr,  # [N, K]
     m_ptr,  # [N, K] uint8
     lab_ptr,  # [N] (HAS_CE)
-    lse_ptr,  # [N] ACC (NORMALIZE > 0)
+    lse_ptr,  # [N] ACC (NORMALIZE > 0): the dense term is A * exp(s_j - lse)
     a_ptr,  # [N] ACC
     corr_ptr,  # [N, K] ACC
     lse1_ptr,  # [N] ACC (HAS_CE)
@@ -281,7 +314,8 @@ def _kd_row_bwd_kernel(
     """dL/dz for columns [v_lo, v_hi) of row i_n: dense c_kd*T*A*q_j (+ c_ce*softmax(z)_j), then the
     slot and label columns. Those few values are read before the dense sweep (which may overwrite z
     in place) and stored after a barrier; slots sharing a column carry the same total, so
-    duplicate stores agree."""
+    duplicate stores agree. "topk" and "full" slots add their corrections to the dense term;
+    "tail" slots carry their whole value (A there is the coefficient of the columns off the slots)."""
     i_n = tl.program_id(0).to(tl.int64)
     v_lo = tl.program_id(1).to(tl.int64) * v_per_prog
     v_hi = tl.minimum(v_lo + v_per_prog, V)
@@ -320,8 +354,10 @@ def _kd_row_bwd_kernel(
     m_mine = m_on & (b_ids >= v_lo) & (b_ids < v_hi)
     b_zk = tl.load(p_z + b_ids, mask=m_mine, other=0).to(ACC)
     b_vk = b_tot + b_nan
-    if NORMALIZE > 0:
+    if NORMALIZE == 1:
         b_vk += b_cA * tl.exp(b_zk * inv_t - b_lse)
+    if NORMALIZE == 2:
+        b_vk += b_cA * 0.0  # the NaN of a token with an out-of-range id
     if HAS_CE:
         i_lab = tl.load(lab_ptr + i_n).to(tl.int64)
         b_fc = tl.where(i_lab != IGNORE, b_fc, 0.0)  # an ignored token has no cross-entropy term
@@ -329,9 +365,14 @@ def _kd_row_bwd_kernel(
         b_zl = tl.load(p_z + i_lab, mask=m_lab, other=0).to(ACC)
         b_vk += b_fc * tl.exp(b_zk - b_lse1) - tl.where(b_ids == i_lab, b_fc, 0.0)
         b_vl = b_fc * tl.exp(b_zl - b_lse1) - b_fc + b_nan
-        b_vl += tl.sum(tl.where(m_on & (b_ids == i_lab), b_corr, 0.0), 0) * b_ckd
-        if NORMALIZE > 0:
+        m_lab_slot = m_on & (b_ids == i_lab)
+        b_vl += tl.sum(tl.where(m_lab_slot, b_corr, 0.0), 0) * b_ckd
+        if NORMALIZE == 1:
             b_vl += b_cA * tl.exp(b_zl * inv_t - b_lse)
+        if NORMALIZE == 2:  # the dense term unless the label is a slot, whose value already has it
+            b_xl = b_zl * inv_t - b_lse
+            b_vl += tl.where(tl.sum(m_lab_slot.to(tl.int32), 0) > 0, b_cA * 0.0,
+                             b_cA * tl.exp(tl.where(b_xl > 0, 0.0, b_xl)))
     for i_v in range(v_lo, v_hi, BLOCK_V):
         o_v = i_v + tl.arange(0, BLOCK_V)
         m_v = o_v < v_hi
@@ -339,7 +380,10 @@ def _kd_row_bwd_kernel(
         if NORMALIZE > 0 or HAS_CE:
             b_z = tl.load(p_z + o_v, mask=m_v, other=0).to(ACC)  # [BLOCK_V]
             if NORMALIZE > 0:
-                b_g += b_cA * tl.exp(b_z * inv_t - b_lse)
+                b_x = b_z * inv_t - b_lse
+                if NORMALIZE == 2:  # <= 0 off the slots; the slot columns (overwritten below) must not overflow
+                    b_x = tl.where(b_x > 0, 0.0, b_x)
+                b_g += b_cA * tl.exp(b_x)
             if HAS_CE:
                 b_g += b_fc * tl.exp(b_z - b_lse1)
         tl.store(p_g + o_v, b_g.to(g_ptr.dtype.element_ty), mask=m_v)
@@ -391,7 +435,8 @@ def _kd_hidden_topk_kernel(
     if HAS_BIAS:
         b_z += tl.load(b_ptr + b_ids, mask=m_valid, other=0).to(ACC)
     b_s = b_z * inv_t
-    b_loss, b_A, b_corr = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], tl.zeros([1], dtype=ACC), 0, ACC)
+    b_loss, b_A, b_corr, _ = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], tl.zeros([1], dtype=ACC), 0,
+                                            ACC)
     b_loss = tl.sum(b_loss, 0) * (temperature * temperature)
     any_bad = tl.sum(m_bad.to(tl.int32), 0) > 0
     tl.store(tok_ptr + i_n, tl.where(any_bad, float("nan"), b_loss))
@@ -602,16 +647,21 @@ def _rows(z):
     return z if z.stride(-1) == 1 else z.contiguous()
 
 
+def _sort_scratch(n, K, normalize, device):
+    """The "tail" forward's per-row scratch for the sorted slot ids (None otherwise)."""
+    return torch.empty(n, next_pow2(K), device=device, dtype=torch.int32) if normalize == 2 else None
+
+
 def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
     """Launch the row forward kernel over the rows of z (a [n, V] view)."""
     n, V = z.shape
     K = ids.shape[1]
-    tok, flags, lse, A, corr, ce, lse1 = outs
+    tok, flags, lse, A, corr, ce, lse1, srt = outs
     has_ce = labels is not None
     if n == 0:
         return
     launch(_kd_row_fwd_kernel, (n,),
-           (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, V, K, z.stride(0),
+           (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, srt, V, K, z.stride(0),
             1.0 / temperature, float(temperature)),
            dict(NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
                 ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)), _ROW_WARPS)
@@ -643,7 +693,7 @@ def logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, nu
     if normalize == 0:
         lse.zero_()
     _row_fwd(_rows(z), ids.contiguous(), t.contiguous(), _u8(mask), None, normalize, temperature, acc,
-             (tok, flags, lse, A, corr, None, None))
+             (tok, flags, lse, A, corr, None, None, _sort_scratch(N, K, normalize, dev)))
     loss, scale = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
     return loss, tok, scale, lse, A, corr
 
@@ -765,6 +815,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
     corr = torch.empty(C, K, device=dev, dtype=acc)
     ce_tok = torch.empty(N, device=dev, dtype=acc) if has_ce else None
     flags_c = torch.empty(C, device=dev, dtype=acc)  # the row kernel's output; unused (flags came from the mask)
+    srt = _sort_scratch(C, K, normalize, dev)
     gw = torch.empty(V, H, device=dev, dtype=weight.dtype) if need_gw else weight.new_empty(0)
     wt = weight.t()
     for r0 in range(0, N, C):
@@ -778,7 +829,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
             torch.addmm(bias, h_c, wt, out=z)
         lab_c = labels[r0:r1] if has_ce else None
         _row_fwd(z, ids[r0:r1], t[r0:r1], m8[r0:r1], lab_c, normalize, temperature, acc,
-                 (tok[r0:r1], flags_c, lse, A, corr, ce_tok[r0:r1] if has_ce else None, lse1))
+                 (tok[r0:r1], flags_c, lse, A, corr, ce_tok[r0:r1] if has_ce else None, lse1, srt))
         if not need_grad:
             continue
         _row_bwd(z, z, ids[r0:r1], m8[r0:r1], lab_c, lse, A, corr, lse1, None, None, scale, normalize, temperature)

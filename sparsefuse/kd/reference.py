@@ -12,7 +12,8 @@ Two kinds of function live here:
 Notation (per token): student logits z [V] (or the K gathered ones), s = z / T, teacher slots
 k = 1..K with ids i_k, log-probabilities t_k and a mask; p_k = exp(t_k) on unmasked slots, else 0;
 P = sum_k p_k; lse_K = logsumexp of s over unmasked slots; lse_V = logsumexp of s over the vocab;
-q_j = exp(s_j - lse_V); Q = exp(lse_K - lse_V) (the student mass on the teacher's slots).
+lse_tail = logsumexp of s over the other columns; q_j = exp(s_j - lse_V); Q = exp(lse_K - lse_V)
+(the student mass on the teacher's slots) and 1 - Q = exp(lse_tail - lse_V).
 
     topk:  L = sum_k p_k (t_k - s_{i_k}) + P * lse_K
     full:  L = sum_k p_k (t_k - s_{i_k}) + P * lse_V
@@ -23,18 +24,24 @@ dense part ``A * q_j`` over the whole vocab plus a correction ``corr_k`` at each
 
     topk:  A = 0,          corr_k = P * exp(s_k - lse_K) - p_k
     full:  A = P,          corr_k = -p_k
-    tail:  A = P - r * Q,  corr_k = r * q_{i_k} - p_k,   r = (1 - P) / (1 - Q)
 
-In floating point 1 - Q = -expm1(lse_K - lse_V) resolves a student mass off the slots down to
-about an ulp of lse_V (~1e-6 in float32 for logits of order 10); below that it rounds to 0 and is
-clamped to the dtype's smallest normal number: the tail term saturates, and passes no gradient
-(r = 0), as the clamp does under autograd.
+and for tail, ``A * exp(s_j - lse_tail)`` off the slots and ``corr_k`` as the slot column's whole value:
+
+    tail:  A = P * (1 - Q) - (1 - P) * Q,  corr_k = q_{i_k} - p_k
+
+(a KL over K + 1 outcomes, the last one spread over the off-slot columns as the student's softmax
+there). log(1 - Q) = lse_tail - lse_V keeps its precision however confident the student is
+(1 - exp(lse_K - lse_V) resolves nothing below an ulp of lse_V, ~1e-6 in float32, and exp underflows
+below ~1e-38), and the gradient never forms r = (1 - P) / (1 - Q), which grows without bound. With no
+column off the slots (K = V, or -inf logits there) 1 - Q = 0 is taken as the dtype's smallest normal
+number: the tail term saturates and passes no gradient (1 - P drops out of A and corr).
 
 Slots sharing an id add up. A token with no unmasked slot has L = 0 and a zero gradient.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,13 +56,26 @@ def acc_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def expm1_neg(d: torch.Tensor) -> torch.Tensor:
-    """1 - exp(d) for d <= 0, clamped away from 0 (the tail term's 1 - Q)."""
-    return (-torch.expm1(d)).clamp_min(torch.finfo(d.dtype).tiny)
+def slot_columns(ids, valid, V):
+    """[N, V] bool: the columns that hold a valid slot (masked or out-of-range slots mark nothing)."""
+    cols = torch.zeros(ids.shape[0], V + 1, dtype=torch.bool, device=ids.device)
+    return cols.scatter_(-1, torch.where(valid, ids, V).long(), True)[:, :V]
 
 
-def _per_token(s_k, t, valid, lse_v, normalize: int):
-    """Per-token loss (without T**2) from the gathered s_k [N, K] and, unless topk, lse_v [N]."""
+def lse_off_slots(s, ids, valid):
+    """lse_tail: logsumexp of s [N, V] over the columns that hold no valid slot (-inf if none)."""
+    return torch.logsumexp(s.masked_fill(slot_columns(ids, valid, s.shape[-1]), float("-inf")), -1)
+
+
+def _log_one_minus_q(lse_tail, lse_v):
+    """log(1 - Q) = lse_tail - lse_V; log of the dtype's smallest normal number when no column is off
+    the slots (a constant: no gradient)."""
+    return torch.where(lse_tail == float("-inf"), math.log(torch.finfo(lse_v.dtype).tiny), lse_tail - lse_v)
+
+
+def _per_token(s_k, t, valid, lse_v, normalize: int, lse_tail=None):
+    """Per-token loss (without T**2) from the gathered s_k [N, K] and, unless topk, lse_v [N]
+    (and lse_tail [N] for tail)."""
     p = torch.where(valid, t.exp(), torch.zeros_like(t))
     P = p.sum(-1)
     cross = torch.where(p > 0, p * (t - s_k), torch.zeros_like(t)).sum(-1)
@@ -68,9 +88,9 @@ def _per_token(s_k, t, valid, lse_v, normalize: int):
     else:
         loss = cross + P * lse_v
         if normalize == 2:
-            om_q = expm1_neg(lse_k - lse_v)
+            log_om_q = _log_one_minus_q(lse_tail, lse_v)
             om_p = (1 - P).clamp_min(0)
-            loss = loss + torch.where(om_p > 0, om_p * (om_p.clamp_min(torch.finfo(P.dtype).tiny).log() - om_q.log()),
+            loss = loss + torch.where(om_p > 0, om_p * (om_p.clamp_min(torch.finfo(P.dtype).tiny).log() - log_om_q),
                                       torch.zeros_like(om_p))
     return torch.where(has, loss, torch.zeros_like(loss))
 
@@ -117,7 +137,8 @@ def topk_kd_loss_from_logits(logits, target_token_ids, target_logprobs, target_m
     s_k = s.gather(-1, torch.where(valid, ids, torch.zeros_like(ids)).long())
     mode = NORMALIZE[normalize]
     lse_v = torch.logsumexp(s, -1) if mode else None
-    tok = _per_token(s_k, t, valid, lse_v, mode) * temperature**2
+    lse_tail = lse_off_slots(s, ids, valid) if mode == 2 else None
+    tok = _per_token(s_k, t, valid, lse_v, mode, lse_tail) * temperature**2
     return _reduce(tok, valid, reduction, num_items_in_batch), tok.reshape(lead)
 
 
@@ -158,8 +179,9 @@ def topk_kd_loss_from_hidden(hidden, lm_head_weight, target_token_ids, target_lo
 # --- the ops' CPU implementations --------------------------------------------------------------
 
 
-def slot_terms(s_k, t, valid, lse_v, normalize: int):
-    """Explicit per-token terms: (loss [N] without T**2, A [N], corr [N, K]); see the module doc."""
+def slot_terms(s_k, t, valid, lse, normalize: int):
+    """Explicit per-token terms: (loss [N] without T**2, A [N], corr [N, K], lse_V [N]); see the module
+    doc. ``lse`` is lse_V for full, lse_tail for tail, unused for topk (as in the kernels' math core)."""
     p = torch.where(valid, t.exp(), torch.zeros_like(t))
     P = p.sum(-1)
     cross = torch.where(p > 0, p * (t - s_k), torch.zeros_like(t)).sum(-1)
@@ -170,6 +192,9 @@ def slot_terms(s_k, t, valid, lse_v, normalize: int):
     se = e.sum(-1)
     lse_k = mx + torch.where(has, se, torch.ones_like(se)).log()
     zero = torch.zeros_like(P)
+    lse_v = lse
+    if normalize == 2:
+        lse_v = torch.logaddexp(torch.where(has, lse_k, torch.full_like(lse_k, float("-inf"))), lse)
     if normalize == 0:
         loss = cross + P * lse_k
         A = zero
@@ -180,16 +205,15 @@ def slot_terms(s_k, t, valid, lse_v, normalize: int):
         if normalize == 1:
             A, corr = P, -p
         else:
-            om_q = expm1_neg(lse_k - lse_v)
             om_p = (1 - P).clamp_min(0)
             tiny = torch.finfo(P.dtype).tiny
-            loss = loss + torch.where(om_p > 0, om_p * (om_p.clamp_min(tiny).log() - om_q.log()), zero)
-            # clamped, 1 - Q passes no gradient (as the clamp in _per_token): (1 - P) / tiny is ~1e36
-            r = torch.where(-torch.expm1(lse_k - lse_v) < tiny, zero, om_p / om_q)
-            A = P - r * (lse_k - lse_v).exp()
-            corr = r[:, None] * q - p
+            loss = loss + torch.where(om_p > 0, om_p * (om_p.clamp_min(tiny).log() - _log_one_minus_q(lse, lse_v)),
+                                      zero)
+            om_p_g = torch.where(lse == float("-inf"), zero, om_p)  # no column off the slots: no gradient
+            A = P * (lse - lse_v).exp() - om_p_g * (lse_k - lse_v).exp()
+            corr = (P + om_p_g)[:, None] * q - p
     corr = torch.where(valid, corr, torch.zeros_like(corr))
-    return torch.where(has, loss, zero), torch.where(has, A, zero), corr
+    return torch.where(has, loss, zero), torch.where(has, A, zero), corr, lse_v
 
 
 def _row_scale(grad_loss, grad_tok, scale, n):
@@ -218,7 +242,7 @@ def _scales(flags, reduction: int, num_items, num_items_value: float, dt, labels
 def kd_topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value):
     dt = acc_dtype(z, t)
     valid = mask != 0
-    loss, _, _ = slot_terms(z.to(dt) / temperature, t.to(dt), valid, None, 0)
+    loss, _, _, _ = slot_terms(z.to(dt) / temperature, t.to(dt), valid, None, 0)
     tok = loss * temperature**2
     scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt)
     return (tok * scale[0]).sum(), tok, scale
@@ -226,7 +250,7 @@ def kd_topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value):
 
 def kd_topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature):
     dt = scale.dtype
-    _, _, corr = slot_terms(z.to(dt) / temperature, t.to(dt), mask != 0, None, 0)
+    _, _, corr, _ = slot_terms(z.to(dt) / temperature, t.to(dt), mask != 0, None, 0)
     f = _row_scale(grad_loss.to(dt), grad_tok, scale[0], z.shape[0]) * temperature
     return (corr * f[:, None]).to(z.dtype)
 
@@ -250,23 +274,38 @@ def _poison(bad, loss, A, corr):
     return loss.masked_fill(row, float("nan")), A.masked_fill(row, float("nan")), corr.masked_fill(bad, float("nan"))
 
 
+def row_terms(s, ids, t, valid, normalize):
+    """slot_terms from the rows' logits s [N, V]: (loss, A, corr, lse), lse what the dense term
+    divides by (lse_V; lse_tail for tail unless no column is off the slots; 0 for topk, A = 0)."""
+    if normalize == 0:
+        return slot_terms(_gather(s, ids, valid), t, valid, None, 0)[:3] + (torch.zeros_like(s[:, 0]),)
+    lse = lse_off_slots(s, ids, valid) if normalize == 2 else torch.logsumexp(s, -1)
+    loss, A, corr, lse_v = slot_terms(_gather(s, ids, valid), t, valid, lse, normalize)
+    return loss, A, corr, torch.where(lse == float("-inf"), lse_v, lse)
+
+
 def kd_logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
     dt = acc_dtype(z, t)
     valid, bad = _slots(ids, mask, z.shape[1])
-    s = z.to(dt) / temperature
-    lse = torch.logsumexp(s, -1) if normalize else torch.zeros(z.shape[0], dtype=dt, device=z.device)
-    loss, A, corr = _poison(bad, *slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize))
+    loss, A, corr, lse = row_terms(z.to(dt) / temperature, ids, t.to(dt), valid, normalize)
+    loss, A, corr = _poison(bad, loss, A, corr)
     tok = loss * temperature**2
     scale = _scales(valid.any(-1), reduction, num_items, num_items_value, dt)
     return (tok * scale[0]).sum(), tok, scale, lse, A, corr
 
 
-def dense_grad(z, ids, valid, lse, A, corr, c_kd, temperature, labels=None, lse1=None, c_ce=None):
-    """dL/dz [N, V] in the accumulation dtype: c_kd * T * (A q + corrections at the valid slots)
-    (+ c_ce * (softmax - onehot)). Rows with A = 0 get no dense term ("topk" passes lse = 0, where
-    exp(s) could overflow); a NaN A makes the row NaN."""
-    q = (z.to(A.dtype) / temperature - lse[:, None]).exp()
-    g = torch.where(A[:, None] == 0, 0.0, (c_kd * temperature * A)[:, None] * q)
+def dense_grad(z, ids, valid, lse, A, corr, c_kd, temperature, labels=None, lse1=None, c_ce=None, normalize=1):
+    """dL/dz [N, V] in the accumulation dtype: c_kd * T * (A exp(s - lse) + corrections at the valid
+    slots; for tail the slot values replace the dense term there) (+ c_ce * (softmax - onehot)). Rows
+    with A = 0 get no dense term ("topk" passes lse = 0, where exp(s) could overflow); a NaN A makes
+    the row NaN."""
+    x = z.to(A.dtype) / temperature - lse[:, None]
+    slot = slot_columns(ids, valid, z.shape[1]) if normalize == 2 else None
+    if normalize == 2:  # off the slots x <= 0 (lse is lse_tail); on them it could overflow exp
+        x = x.masked_fill(slot, 0.0)
+    g = torch.where(A[:, None] == 0, 0.0, (c_kd * temperature * A)[:, None] * x.exp())
+    if normalize == 2:
+        g = torch.where(slot, g * 0, g)  # times 0: a NaN row stays NaN
     g = g.scatter_add(-1, torch.where(valid, ids, torch.zeros_like(ids)).long(),
                       corr * (c_kd * temperature)[:, None])
     if labels is not None:
@@ -279,9 +318,9 @@ def dense_grad(z, ids, valid, lse, A, corr, c_kd, temperature, labels=None, lse1
 
 
 def kd_logits_bwd(grad_loss, grad_tok, z, ids, mask, lse, A, corr, scale, normalize, temperature):
-    del normalize
     f = _row_scale(grad_loss.to(A.dtype), grad_tok, scale[0], z.shape[0])
-    return dense_grad(z, ids, _slots(ids, mask, z.shape[1])[0], lse, A, corr, f, temperature).to(z.dtype)
+    return dense_grad(z, ids, _slots(ids, mask, z.shape[1])[0], lse, A, corr, f, temperature,
+                      normalize=normalize).to(z.dtype)
 
 
 def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperature, reduction, num_items,
@@ -295,9 +334,7 @@ def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, tempera
     if bias is not None:
         z = z + bias.to(dt)
     valid, bad = _slots(ids, mask, weight.shape[0])
-    s = z / temperature
-    lse = torch.logsumexp(s, -1)
-    loss, A, corr = slot_terms(_gather(s, ids, valid), t.to(dt), valid, lse, normalize)
+    loss, A, corr, lse = row_terms(z / temperature, ids, t.to(dt), valid, normalize)
     tok = loss.masked_fill(bad.any(-1), float("nan")) * temperature**2
     has_ce = labels is not None and ce_weight != 0.0
     flags = (mask != 0).any(-1)  # the hidden kernels count tokens from the mask
@@ -317,7 +354,7 @@ def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, tempera
     if not gather_path:
         _, A, corr = _poison(bad, loss, A, corr)
     g = dense_grad(z, ids, valid, lse, A, corr, scale[0].expand(N), temperature, labels if has_ce else None, lse1,
-                   c_ce)
+                   c_ce, normalize)
     gh = hidden.new_empty(0)
     if need_grad_hidden:
         gh = (g @ weight.to(dt)).masked_fill(bad.any(-1)[:, None], float("nan")).to(hidden.dtype)
