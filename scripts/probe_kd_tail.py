@@ -17,7 +17,8 @@ from triton.testing import do_bench
 from sparsefuse.bench.kd import make_targets
 from sparsefuse.kd import kernels as after
 
-spec = importlib.util.spec_from_file_location("kd_before", os.path.join(os.path.dirname(__file__), "_kd_kernels_before.py"))
+BEFORE = os.path.join(os.path.dirname(__file__), "_kd_kernels_before.py")
+spec = importlib.util.spec_from_file_location("kd_before", BEFORE)
 before = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(before)
 
