@@ -5,7 +5,8 @@ fp32 in one constexpr branch and fp64 in the other, or a loop-carried variable t
 only fails when the kernel is compiled for a GPU. This compiles every dtype and flag variant of the
 kernels built on ``sparsefuse/_segsum.py`` (the SAE weight gradient, the chunk kernel, the
 deterministic VQ statistics), of the KD weight gradient (accumulators, row dtypes, key dtypes,
-optional pointers) and of the KD row kernels (dtypes, normalisations, cross-entropy), and exits
+optional pointers), of the KD row kernels (dtypes, normalisations, cross-entropy) and of the "tail"
+slot marking, and exits
 non-zero naming the first that fails. Run it without ``TRITON_INTERPRET`` (tests/test_launch.py
 does, in a subprocess)."""
 import itertools
@@ -75,11 +76,16 @@ def variants():
         a = "*" + acc
         yield (f"kd row forward z={z} normalize={normalize} ce={ce}", kd._kd_row_fwd_kernel,
                dict(z_ptr="*" + z, ids_ptr="*i64", t_ptr="*" + z, m_ptr="*u8", lab_ptr="*i64", tok_ptr=a,
-                    flag_ptr=a, lse_ptr=a, a_ptr=a, corr_ptr=a, ce_ptr=a, lse1_ptr=a, srt_ptr="*i32", V="i32",
+                    flag_ptr=a, lse_ptr=a, a_ptr=a, corr_ptr=a, ce_ptr=a, lse1_ptr=a, bit_ptr="*i32", V="i32",
                     K="i32", stride_zn="i32", inv_t="fp32", temperature="fp32"),
                dict(NORMALIZE=normalize, HAS_CE=ce, SEP_CE=ce and normalize == 0, ACC=accs[acc], BLOCK_V=4096,
                     BLOCK_K=64, **({} if ce else dict(lab_ptr=None, ce_ptr=None, lse1_ptr=None)),
-                    **({} if normalize == 2 else dict(srt_ptr=None))))
+                    **({} if normalize == 2 else dict(bit_ptr=None))))
+        if normalize == 2 and not ce:
+            for ids in ("i32", "i64"):
+                yield (f"kd mark slots z={z} ids={ids}", kd._kd_mark_slots_kernel,
+                       dict(ids_ptr="*" + ids, t_ptr="*" + z, m_ptr="*u8", bit_ptr="*i32", K="i32", V="i32"),
+                       dict(ACC=accs[acc], BLOCK_K=64))
         yield (f"kd row backward z={z} normalize={normalize} ce={ce}", kd._kd_row_bwd_kernel,
                dict(z_ptr="*" + z, g_ptr="*" + z, ids_ptr="*i64", m_ptr="*u8", lab_ptr="*i64", lse_ptr=a, a_ptr=a,
                     corr_ptr=a, lse1_ptr=a, gl_ptr=a, gt_ptr=a, scale_ptr=a, V="i32", K="i32", stride_zn="i32",

@@ -1,9 +1,10 @@
-"""The exact "tail" term's cost: the logits form's forward and forward + backward for "full" and
-"tail", with the kernels before the change and after, alternated in one process. Bench shape
-(N = 8192, V = 128256, K = 64, bf16). Writes $OUT/probe_kd_tail.json.
+r"""The "tail" term's cost: the logits form's forward and forward + backward for "full" and "tail",
+with the kernels before a change and after, alternated in one process. Bench shape (N = 8192,
+V = 128256, K = 64, bf16). Writes $OUT/probe_kd_tail.json.
 
-The kernels before are not in the tree; make them, untracked, before the device run:
-    git show 040c9c2:sparsefuse/kd/kernels.py | sed -e 's/^from \.\._/from sparsefuse._/' \
+The kernels before are not in the tree; make them, untracked, from the commit before the change
+(session 23's exact tail: 040c9c2; session 24's bit map: d7f4ccb) before the device run:
+    git show d7f4ccb:sparsefuse/kd/kernels.py | sed -e 's/^from \.\._/from sparsefuse._/' \
         -e 's/^from \.reference/from sparsefuse.kd.reference/' > scripts/_kd_kernels_before.py
 """
 

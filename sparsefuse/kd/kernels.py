@@ -9,7 +9,8 @@ per-token loss, the dense gradient coefficient A and the per-slot values; every 
 
 * gathered: ``_kd_topk_kernel`` on [N, K] tiles, forward (per-token loss) and backward (gradient).
 * from logits: ``_kd_row_fwd_kernel`` (online logsumexp over V in tiles, then the K gathered
-  terms; saves lse, A and the slot values, O(N*K)) and ``_kd_row_bwd_kernel`` (one pass that
+  terms; saves lse, A and the slot values, O(N*K); "tail" leaves out the slot columns that
+  ``_kd_mark_slots_kernel`` set in a bit map) and ``_kd_row_bwd_kernel`` (one pass that
   writes dL/dz = c * T * A * q_j over the row, then the slot values: no [N, V] fp32 temporaries).
 * from hidden: tokens in chunks; per chunk a cuBLAS matmul gives the logits, the same two row
   kernels compute the loss and overwrite the chunk's logits with their gradient in place, and two
@@ -58,7 +59,6 @@ _SCALE_BLOCK = 1024 if INTERPRET else 8192
 #: Target size of one chunk of logits in the from-hidden path (chunk rows = this / (V * itemsize)).
 CHUNK_BYTES = 256 * 2**20
 IGNORE = tl.constexpr(IGNORE_INDEX)
-_NO_ID = tl.constexpr(2**31 - 1)  # past every vocabulary tile (the "tail" forward's slot walk)
 
 
 def _tl_dtype(dt: torch.dtype):
@@ -183,6 +183,23 @@ def _kd_topk_kernel(
 
 
 @triton.jit
+def _map_words(V):
+    """Words per row of the slot bit map: 32 columns a word, rows padded to whole 128-byte lines."""
+    return tl.cdiv(V, 1024) * 32
+
+
+@triton.jit
+def _kd_mark_slots_kernel(ids_ptr, t_ptr, m_ptr, bit_ptr, K, V, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """"tail": set token i_n's valid slot columns in its row of the zeroed bit map [N, W] int32, which the
+    row forward's sweep tests (a word load and a mask per 32 columns) to leave the slots out of lse_tail."""
+    i_n = tl.program_id(0).to(tl.int64)
+    _, _, b_ids, _, m_valid, _ = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
+    b_ids = b_ids.to(tl.int32)
+    b_bit = tl.full([BLOCK_K], 1, tl.int32) << (b_ids & 31)
+    tl.atomic_or(bit_ptr + i_n * _map_words(V) + (b_ids >> 5), b_bit, mask=m_valid, sem="relaxed")  # shared words
+
+
+@triton.jit
 def _kd_row_fwd_kernel(
     z_ptr,  # [N, V], row stride stride_zn
     ids_ptr,  # [N, K] int32 | int64
@@ -196,7 +213,7 @@ def _kd_row_fwd_kernel(
     corr_ptr,  # [N, K] ACC out: slot corrections ("tail": the slot columns' values)
     ce_ptr,  # [N] ACC out: per-token cross-entropy (HAS_CE)
     lse1_ptr,  # [N] ACC out: logsumexp_j z_j (HAS_CE)
-    srt_ptr,  # [N, BLOCK_K] int32 scratch: the valid slot ids in ascending order ("tail")
+    bit_ptr,  # [N, W] int32: a bit per column, set at the valid slots ("tail"; _kd_mark_slots_kernel)
     V,
     K,
     stride_zn,
@@ -211,19 +228,6 @@ def _kd_row_fwd_kernel(
 ):
     i_n = tl.program_id(0).to(tl.int64)
     p_z = z_ptr + i_n * stride_zn
-    if NORMALIZE == 2:
-        o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
-        # Sort the valid ids into this row's scratch (rank = valid ids before it, ties by slot), so
-        # that the sweep below walks them with one scalar load per slot.
-        p_srt = srt_ptr + i_n * BLOCK_K
-        m_tie = (b_ids[None, :] == b_ids[:, None]) & (o_k[None, :] < o_k[:, None])
-        m_before = ((b_ids[None, :] < b_ids[:, None]) | m_tie) & m_valid[None, :]  # [BLOCK_K, BLOCK_K]
-        b_rank = tl.sum(m_before.to(tl.int32), 1)
-        tl.store(p_srt + b_rank, b_ids.to(tl.int32), mask=m_valid)
-        n_valid = tl.sum(m_valid.to(tl.int32), 0)
-        tl.debug_barrier()
-        j_next = 0
-        b_next = tl.load(p_srt, mask=n_valid > 0, other=_NO_ID)  # the smallest valid id not yet passed
     b_lse = 0.0
     b_lse1 = 0.0
     if NORMALIZE > 0 or SEP_CE:
@@ -235,17 +239,22 @@ def _kd_row_fwd_kernel(
         b_m1 = tl.full([], float("-inf"), ACC)
         b_l1 = tl.zeros([], dtype=ACC)
         for i_v in range(0, V, BLOCK_V):
-            o_v = i_v + tl.arange(0, BLOCK_V)
-            b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V]
-            if NORMALIZE > 0:
+            if NORMALIZE == 2:
+                # The tile as [BLOCK_V / 32, 32], a row per word of the slot bit map (_kd_mark_slots_kernel),
+                # so that the words load as one vector; the reductions below do not care about order
+                # (can_reorder). "full" keeps the flat tile: 0.3% faster on an H100.
+                o_w = i_v // 32 + tl.arange(0, BLOCK_V // 32)
+                o_v = o_w[:, None] * 32 + tl.arange(0, 32)[None, :]
+                b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V / 32, 32]
+                b_word = tl.load(bit_ptr + i_n * _map_words(V) + o_w, mask=o_w * 32 < V, other=0)
+                m_slot = ((b_word[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0
+                b_x = tl.reshape(tl.where(m_slot, float("-inf"), b_z * inv_t), [BLOCK_V], can_reorder=True)
+                b_z = tl.reshape(b_z, [BLOCK_V], can_reorder=True)
+            else:
+                o_v = i_v + tl.arange(0, BLOCK_V)
+                b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V]
                 b_x = b_z * inv_t
-                if NORMALIZE == 2:  # this tile's slots, in id order: a compare per column per slot
-                    m_slot = o_v < 0
-                    while b_next < i_v + BLOCK_V:
-                        m_slot |= o_v == b_next
-                        j_next += 1
-                        b_next = tl.load(p_srt + j_next, mask=j_next < n_valid, other=_NO_ID)
-                    b_x = tl.where(m_slot, float("-inf"), b_x)
+            if NORMALIZE > 0:
                 b_m, b_l = _lse_step(b_m, b_l, b_x)
             if SEP_CE:
                 b_m1, b_l1 = _lse_step(b_m1, b_l1, b_z)
@@ -253,8 +262,8 @@ def _kd_row_fwd_kernel(
             b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
         if SEP_CE:
             b_lse1 = b_m1 + tl.log(b_l1)
-    if NORMALIZE != 2:  # (after the sweep: loaded before it, the slots cost "full" 4% on an H100)
-        o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
+    # the slots after the sweep: loaded before it, they cost "full" 4% on an H100
+    o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     b_s = tl.load(p_z + b_ids, mask=m_valid, other=0).to(ACC) * inv_t  # [BLOCK_K]
     b_lse_r = tl.zeros([1], dtype=ACC) + b_lse
     b_loss, b_A, b_corr, b_lse_v = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], b_lse_r, NORMALIZE,
@@ -647,21 +656,26 @@ def _rows(z):
     return z if z.stride(-1) == 1 else z.contiguous()
 
 
-def _sort_scratch(n, K, normalize, device):
-    """The "tail" forward's per-row scratch for the sorted slot ids (None otherwise)."""
-    return torch.empty(n, next_pow2(K), device=device, dtype=torch.int32) if normalize == 2 else None
+def _slot_bits(n, V, normalize, device):
+    """The "tail" forward's bit map of the slot columns, [n, W] int32 (n * V / 8 bytes; None otherwise).
+    _row_fwd zeroes and fills it for each launch, so one map serves every chunk of rows."""
+    return torch.empty(n, cdiv(V, 1024) * 32, device=device, dtype=torch.int32) if normalize == 2 else None
 
 
 def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
     """Launch the row forward kernel over the rows of z (a [n, V] view)."""
     n, V = z.shape
     K = ids.shape[1]
-    tok, flags, lse, A, corr, ce, lse1, srt = outs
+    tok, flags, lse, A, corr, ce, lse1, bits = outs
     has_ce = labels is not None
     if n == 0:
         return
+    if normalize == 2:
+        bits = bits[:n].zero_()
+        launch(_kd_mark_slots_kernel, (n,), (ids, t, mask_u8, bits, K, V),
+               dict(ACC=_tl_dtype(acc), BLOCK_K=next_pow2(K)), 1)
     launch(_kd_row_fwd_kernel, (n,),
-           (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, srt, V, K, z.stride(0),
+           (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, bits, V, K, z.stride(0),
             1.0 / temperature, float(temperature)),
            dict(NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
                 ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)), _ROW_WARPS)
@@ -693,7 +707,7 @@ def logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, nu
     if normalize == 0:
         lse.zero_()
     _row_fwd(_rows(z), ids.contiguous(), t.contiguous(), _u8(mask), None, normalize, temperature, acc,
-             (tok, flags, lse, A, corr, None, None, _sort_scratch(N, K, normalize, dev)))
+             (tok, flags, lse, A, corr, None, None, _slot_bits(N, V, normalize, dev)))
     loss, scale = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
     return loss, tok, scale, lse, A, corr
 
@@ -815,7 +829,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
     corr = torch.empty(C, K, device=dev, dtype=acc)
     ce_tok = torch.empty(N, device=dev, dtype=acc) if has_ce else None
     flags_c = torch.empty(C, device=dev, dtype=acc)  # the row kernel's output; unused (flags came from the mask)
-    srt = _sort_scratch(C, K, normalize, dev)
+    bits = _slot_bits(C, V, normalize, dev)
     gw = torch.empty(V, H, device=dev, dtype=weight.dtype) if need_gw else weight.new_empty(0)
     wt = weight.t()
     for r0 in range(0, N, C):
@@ -829,7 +843,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
             torch.addmm(bias, h_c, wt, out=z)
         lab_c = labels[r0:r1] if has_ce else None
         _row_fwd(z, ids[r0:r1], t[r0:r1], m8[r0:r1], lab_c, normalize, temperature, acc,
-                 (tok[r0:r1], flags_c, lse, A, corr, ce_tok[r0:r1] if has_ce else None, lse1, srt))
+                 (tok[r0:r1], flags_c, lse, A, corr, ce_tok[r0:r1] if has_ce else None, lse1, bits))
         if not need_grad:
             continue
         _row_bwd(z, z, ids[r0:r1], m8[r0:r1], lab_c, lse, A, corr, lse1, None, None, scale, normalize, temperature)
