@@ -77,14 +77,15 @@ def variants():
         yield (f"kd row forward z={z} normalize={normalize} ce={ce}", kd._kd_row_fwd_kernel,
                dict(z_ptr="*" + z, ids_ptr="*i64", t_ptr="*" + z, m_ptr="*u8", lab_ptr="*i64", tok_ptr=a,
                     flag_ptr=a, lse_ptr=a, a_ptr=a, corr_ptr=a, ce_ptr=a, lse1_ptr=a, bit_ptr="*i32", V="i32",
-                    K="i32", stride_zn="i32", inv_t="fp32", temperature="fp32"),
+                    K="i32", stride_zn="i32", stride_bn="i32", inv_t="fp32", temperature="fp32"),
                dict(NORMALIZE=normalize, HAS_CE=ce, SEP_CE=ce and normalize == 0, ACC=accs[acc], BLOCK_V=4096,
                     BLOCK_K=64, **({} if ce else dict(lab_ptr=None, ce_ptr=None, lse1_ptr=None)),
                     **({} if normalize == 2 else dict(bit_ptr=None))))
         if normalize == 2 and not ce:
             for ids in ("i32", "i64"):
                 yield (f"kd mark slots z={z} ids={ids}", kd._kd_mark_slots_kernel,
-                       dict(ids_ptr="*" + ids, t_ptr="*" + z, m_ptr="*u8", bit_ptr="*i32", K="i32", V="i32"),
+                       dict(ids_ptr="*" + ids, t_ptr="*" + z, m_ptr="*u8", bit_ptr="*i32", K="i32", V="i32",
+                            stride_bn="i32"),
                        dict(ACC=accs[acc], BLOCK_K=64))
         yield (f"kd row backward z={z} normalize={normalize} ce={ce}", kd._kd_row_bwd_kernel,
                dict(z_ptr="*" + z, g_ptr="*" + z, ids_ptr="*i64", m_ptr="*u8", lab_ptr="*i64", lse_ptr=a, a_ptr=a,

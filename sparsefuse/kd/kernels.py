@@ -183,20 +183,14 @@ def _kd_topk_kernel(
 
 
 @triton.jit
-def _map_words(V):
-    """Words per row of the slot bit map: 32 columns a word, rows padded to whole 128-byte lines."""
-    return tl.cdiv(V, 1024) * 32
-
-
-@triton.jit
-def _kd_mark_slots_kernel(ids_ptr, t_ptr, m_ptr, bit_ptr, K, V, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """"tail": set token i_n's valid slot columns in its row of the zeroed bit map [N, W] int32, which the
-    row forward's sweep tests (a word load and a mask per 32 columns) to leave the slots out of lse_tail."""
+def _kd_mark_slots_kernel(ids_ptr, t_ptr, m_ptr, bit_ptr, K, V, stride_bn, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """"tail": set token i_n's valid slot columns in its row of the zeroed bit map (``_slot_bits``), which
+    the row forward's sweep tests (a word load and a mask per 32 columns) to leave the slots out of lse_tail."""
     i_n = tl.program_id(0).to(tl.int64)
     _, _, b_ids, _, m_valid, _ = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     b_ids = b_ids.to(tl.int32)
     b_bit = tl.full([BLOCK_K], 1, tl.int32) << (b_ids & 31)
-    tl.atomic_or(bit_ptr + i_n * _map_words(V) + (b_ids >> 5), b_bit, mask=m_valid, sem="relaxed")  # shared words
+    tl.atomic_or(bit_ptr + i_n * stride_bn + (b_ids >> 5), b_bit, mask=m_valid, sem="relaxed")  # shared words
 
 
 @triton.jit
@@ -213,10 +207,11 @@ def _kd_row_fwd_kernel(
     corr_ptr,  # [N, K] ACC out: slot corrections ("tail": the slot columns' values)
     ce_ptr,  # [N] ACC out: per-token cross-entropy (HAS_CE)
     lse1_ptr,  # [N] ACC out: logsumexp_j z_j (HAS_CE)
-    bit_ptr,  # [N, W] int32: a bit per column, set at the valid slots ("tail"; _kd_mark_slots_kernel)
+    bit_ptr,  # [N, W] int32, row stride stride_bn: a bit per column, set at the valid slots ("tail")
     V,
     K,
     stride_zn,
+    stride_bn,
     inv_t,
     temperature,
     NORMALIZE: tl.constexpr,
@@ -246,7 +241,7 @@ def _kd_row_fwd_kernel(
                 o_w = i_v // 32 + tl.arange(0, BLOCK_V // 32)
                 o_v = o_w[:, None] * 32 + tl.arange(0, 32)[None, :]
                 b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V / 32, 32]
-                b_word = tl.load(bit_ptr + i_n * _map_words(V) + o_w, mask=o_w * 32 < V, other=0)
+                b_word = tl.load(bit_ptr + i_n * stride_bn + o_w, mask=o_w * 32 < V, other=0)
                 m_slot = ((b_word[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0
                 b_x = tl.reshape(tl.where(m_slot, float("-inf"), b_z * inv_t), [BLOCK_V], can_reorder=True)
                 b_z = tl.reshape(b_z, [BLOCK_V], can_reorder=True)
@@ -657,8 +652,9 @@ def _rows(z):
 
 
 def _slot_bits(n, V, normalize, device):
-    """The "tail" forward's bit map of the slot columns, [n, W] int32 (n * V / 8 bytes; None otherwise).
-    _row_fwd zeroes and fills it for each launch, so one map serves every chunk of rows."""
+    """The "tail" forward's bit map of the slot columns, [n, W] int32 (None otherwise): 32 columns a word,
+    rows padded to whole 128-byte lines (about n * V / 8 bytes). _row_fwd zeroes and fills it for each
+    launch, so one map serves every chunk of rows."""
     return torch.empty(n, cdiv(V, 1024) * 32, device=device, dtype=torch.int32) if normalize == 2 else None
 
 
@@ -672,11 +668,11 @@ def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
         return
     if normalize == 2:
         bits = bits[:n].zero_()
-        launch(_kd_mark_slots_kernel, (n,), (ids, t, mask_u8, bits, K, V),
+        launch(_kd_mark_slots_kernel, (n,), (ids, t, mask_u8, bits, K, V, bits.stride(0)),
                dict(ACC=_tl_dtype(acc), BLOCK_K=next_pow2(K)), 1)
     launch(_kd_row_fwd_kernel, (n,),
            (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, bits, V, K, z.stride(0),
-            1.0 / temperature, float(temperature)),
+            0 if bits is None else bits.stride(0), 1.0 / temperature, float(temperature)),
            dict(NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
                 ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)), _ROW_WARPS)
 
