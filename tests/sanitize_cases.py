@@ -7,9 +7,11 @@ out-of-range indices and the host check off, where each op must poison the affec
 and touch nothing out of bounds. ``float32`` leaves the 16-bit cases out: initcheck does not see
 cuBLAS's bf16 matmuls write their outputs (a plain ``torch.addmm`` into a NaN-filled bf16 buffer
 overwrites every element, yet initcheck flags a later read of each one), so the KD family runs under
-initcheck in float32. On CUDA it records
-every kernel launched (a Triton launch hook) and fails if a ``*_kernel`` of the family's modules
-never ran, so a kernel added later cannot escape the sanitizer unnoticed. It prints ``ok`` last.
+initcheck in float32.
+
+On CUDA it records every kernel launched (a Triton launch hook) and fails if a ``*_kernel`` of the
+family's modules never ran, so a kernel added later cannot escape the sanitizer unnoticed. It
+prints ``ok`` last.
 """
 
 from __future__ import annotations
