@@ -1,5 +1,5 @@
-"""One KD hidden-state call (argv: V dtype normalize ce chunk) or one VQ / SAE sub-case, for
-bisecting a compute-sanitizer report of tests/sanitize_cases.py. Run under the sanitizer."""
+"""One KD hidden-state call of tests/sanitize_cases.py (argv: V dtype normalize ce_weight chunk), for
+bisecting a compute-sanitizer report; scripts/sanitize_split.sh runs each under initcheck."""
 import sys
 
 import torch
