@@ -5,7 +5,7 @@ the default, or cpu under ``TRITON_INTERPRET=1``; DTYPES: all, the default, or f
 family's ops forward and backward on odd shapes in float32 and the 16-bit dtypes, then again with
 out-of-range indices and the host check off, where each op must poison the affected rows with NaN
 and touch nothing out of bounds. ``float32`` leaves the 16-bit cases out: initcheck does not see
-cuBLAS's bf16 matmuls write their outputs (a plain ``torch.addmm`` into a NaN-filled bf16 buffer
+some cuBLAS bf16 matmuls write their outputs (a plain bf16 ``torch.addmm`` into a NaN-filled buffer
 overwrites every element, yet initcheck flags a later read of each one), so the KD family runs under
 initcheck in float32.
 
