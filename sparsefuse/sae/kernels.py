@@ -92,6 +92,26 @@ def _decode_launch(D: int, cfg: dict) -> tuple:
 # tiles, more rows or more warps per program were slower.
 _HIER_FWD = {4: dict(BLOCK_B=2, BLOCK_D=64), 2: dict(BLOCK_B=1, BLOCK_D=128)}
 _HIER_BWD = {4: dict(BLOCK_D=64, CHUNK=8, VEC=4), 2: dict(BLOCK_D=64, CHUNK=8, VEC=2)}
+# The fp32 atomic backward on an H100 (scripts/tune_hier_shapes.py, session 25): 32 columns were 7-11%
+# faster than 64 at every shape swept but one (B = 1024: 2.5% slower). The programs in flight share
+# the F x BLOCK_D slices of the decoder and of its gradient in L2, and the narrower slices miss less
+# often; the H100's HBM (3.35 TB/s) makes a miss cost more than the H200's (4.8 TB/s), where 64 columns
+# stay best (1-5%; session 22). Only this path: it keeps one gv partial, so the tile count changes
+# no output bit, where the deterministic and staged paths sum gv per tile.
+_NARROW_ATOMIC_BWD = ("H100",)
+_narrow_by_device: dict = {}
+
+
+def _narrow_atomic_bwd(device: torch.device) -> bool:
+    """Whether the fp32 atomic hierarchical backward takes 32-column tiles on ``device``."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    hit = _narrow_by_device.get(idx)
+    if hit is None:
+        name = torch.cuda.get_device_name(idx)
+        hit = _narrow_by_device[idx] = any(part in name for part in _NARROW_ATOMIC_BWD)
+    return hit
 
 
 def _hier_config(D: int, itemsize: int, backward: bool) -> dict:
@@ -957,6 +977,9 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     grad_bias = etot.sum(0).mul_(gc)
     cfg = _hier_config(D, weight.element_size(), backward=True)
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
+    if mode == 1 and weight.element_size() == 4 and _narrow_atomic_bwd(weight.device):  # fp32 atomics
+        cfg = dict(cfg, BLOCK_D=min(cfg["BLOCK_D"], 32))
+        n_tiles = chunk = cdiv(D, cfg["BLOCK_D"])
     buf = grad_weight = None
     if mode == 1:
         buf = torch.zeros(F, D, device=vals.device, dtype=acc)
