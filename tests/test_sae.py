@@ -93,25 +93,26 @@ def _spy_launches(monkeypatch):
     return launches
 
 
-@pytest.mark.parametrize("narrow", [False, True], ids=["64-columns", "32-columns"])
+@pytest.mark.parametrize("device,entries,width", [("other", 0, 64), ("h100", 1, 64), ("h100", 0, 32)],
+                         ids=["other-device", "h100-below-threshold", "h100-at-threshold"])
 @pytest.mark.parametrize("B,K,F,D", [(37, 50, 5, 100), (3, 7, 300, 33), (5, 3, 40, 1)])
-def test_hierarchical_fp32_atomic_backward_tile_width(B, K, F, D, narrow, monkeypatch):
-    """The fp32 atomic backward takes 32-column tiles on an H100 (kernels._NARROW_ATOMIC_BWD) and 64
-    elsewhere: both match float64, with the grid the width implies (a partial last tile at D = 100
-    and 33, one tile at D = 1). The deterministic path keeps its width."""
+def test_hierarchical_fp32_atomic_backward_tile_width(B, K, F, D, device, entries, width, monkeypatch):
+    """The fp32 atomic backward takes 32-column tiles on an H100 from B * K = _NARROW_MIN_ENTRIES and 64
+    otherwise (the threshold is moved to this shape's B * K, or one past it): both widths match
+    float64, with the grid the width implies (a partial last tile at D = 100 and 33, one tile at
+    D = 1). The deterministic path keeps 64 columns."""
     from sparsefuse.sae import kernels
 
-    monkeypatch.setattr(kernels, "_narrow_atomic_bwd", lambda device: narrow)
+    monkeypatch.setattr(kernels, "_narrow_atomic_bwd", lambda dev: device == "h100")
+    monkeypatch.setattr(kernels, "_NARROW_MIN_ENTRIES", B * K + entries)
     launches = _spy_launches(monkeypatch)
+    tiles = lambda w: -(-D // min(w, max(16, 1 << (D - 1).bit_length())))  # noqa: E731
     check_against_fp64("hierarchical", *make(B, K, F, D, torch.float32), torch.float32)
-    width = 32 if narrow else 64
-    grids = [grid for fn, grid in launches if fn is kernels._hierarchical_sae_bwd_kernel]
-    assert grids == [(B, -(-D // min(width, max(16, 1 << (D - 1).bit_length()))))]
+    assert [grid for fn, grid in launches if fn is kernels._hierarchical_sae_bwd_kernel] == [(B, tiles(width))]
     launches.clear()
     check_against_fp64("hierarchical", *make(B, K, F, D, torch.float32), torch.float32,
                        fn=lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=True))
-    grids = [grid for fn, grid in launches if fn is kernels._hierarchical_sae_bwd_kernel]
-    assert grids == [(B, -(-D // min(64, max(16, 1 << (D - 1).bit_length()))))]
+    assert [grid for fn, grid in launches if fn is kernels._hierarchical_sae_bwd_kernel] == [(B, tiles(64))]
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])

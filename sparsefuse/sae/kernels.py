@@ -92,13 +92,15 @@ def _decode_launch(D: int, cfg: dict) -> tuple:
 # tiles, more rows or more warps per program were slower.
 _HIER_FWD = {4: dict(BLOCK_B=2, BLOCK_D=64), 2: dict(BLOCK_B=1, BLOCK_D=128)}
 _HIER_BWD = {4: dict(BLOCK_D=64, CHUNK=8, VEC=4), 2: dict(BLOCK_D=64, CHUNK=8, VEC=2)}
-# The fp32 atomic backward on an H100 (scripts/tune_hier_shapes.py, session 25): 32 columns were 7-11%
-# faster than 64 at every shape swept but one (B = 1024: 2.5% slower). The programs in flight share
-# the F x BLOCK_D slices of the decoder and of its gradient in L2, and the narrower slices miss less
-# often; the H100's HBM (3.35 TB/s) makes a miss cost more than the H200's (4.8 TB/s), where 64 columns
-# stay best (1-5%; session 22). Only this path: it keeps one gv partial, so the tile count changes
-# no output bit, where the deterministic and staged paths sum gv per tile.
+# The fp32 atomic backward on an H100 (scripts/ab_hier_narrow.py, session 25): 32 columns took whole
+# steps 6.5-10% under 64 columns from B * K = 2^18 entries (B = 4096 with K = 64 or 128, B = 2048 with
+# K = 128, F = 131072 with D = 4096) and 2-2.5% over them below (K = 32, or B = 1024). The programs in
+# flight share the F x BLOCK_D slices of the decoder and of its gradient in L2; narrower slices miss
+# less, and the H100's HBM (3.35 TB/s) makes a miss cost more than the H200's (4.8 TB/s), where 64
+# columns stay best at the benchmark shape (1-5%; session 22). Only this path: it keeps one gv
+# partial, so the tile count changes no output bit (the deterministic and staged paths sum gv per tile).
 _NARROW_ATOMIC_BWD = ("H100",)
+_NARROW_MIN_ENTRIES = 1 << 18
 _narrow_by_device: dict = {}
 
 
@@ -977,7 +979,8 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     grad_bias = etot.sum(0).mul_(gc)
     cfg = _hier_config(D, weight.element_size(), backward=True)
     mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
-    if mode == 1 and weight.element_size() == 4 and _narrow_atomic_bwd(weight.device):  # fp32 atomics
+    narrow = mode == 1 and weight.element_size() == 4 and B * K >= _NARROW_MIN_ENTRIES  # fp32 atomics
+    if narrow and _narrow_atomic_bwd(weight.device):
         cfg = dict(cfg, BLOCK_D=min(cfg["BLOCK_D"], 32))
         n_tiles = chunk = cdiv(D, cfg["BLOCK_D"])
     buf = grad_weight = None
