@@ -97,8 +97,9 @@ _HIER_BWD = {4: dict(BLOCK_D=64, CHUNK=8, VEC=4), 2: dict(BLOCK_D=64, CHUNK=8, V
 # K = 128, F = 131072 with D = 4096) and 2-2.5% over them below (K = 32, or B = 1024). The programs in
 # flight share the F x BLOCK_D slices of the decoder and of its gradient in L2; narrower slices miss
 # less, and the H100's HBM (3.35 TB/s) makes a miss cost more than the H200's (4.8 TB/s), where 64
-# columns stay best at the benchmark shape (1-5%; session 22). Only this path: it keeps one gv
-# partial, so the tile count changes no output bit (the deterministic and staged paths sum gv per tile).
+# columns stay best at the benchmark shape (1-5%; session 22). Only this path: its atomics already
+# sum in no fixed order, while the deterministic and staged paths keep one width, so their bits do
+# not depend on the GPU model.
 _NARROW_ATOMIC_BWD = ("H100",)
 _NARROW_MIN_ENTRIES = 1 << 18
 _narrow_by_device: dict = {}
