@@ -156,16 +156,13 @@ def vq(dev: str, dtypes) -> None:
         (xq,) = leaves(x)
         out, loss = quantize(xq, codes, cb.to(dt), 0.5)
         grads(out.sum() + loss, [xq])
+    from test_vq import make
+
     for L in (None, 2):
-        lead = () if L is None else (L,)
-        x = torch.randn(*lead, B, D, generator=g).to(dev)
-        codes = torch.randint(0, K // 3, (*lead, B), generator=g).to(dev)  # most codes unused: restarts
         for semantics in ("laplace", "active"):
-            for det in (False, True):
-                cb = torch.randn(*lead, K, D, generator=g).to(dev)
-                cs = (torch.rand(*lead, K, generator=g) * 4).to(dev)
-                es, cnt = cb * cs[..., None], torch.randint(0, 4, (*lead, K), generator=g).to(dev)
-                sparsefuse.vq_ema_update(x, codes, cb, cs, es, cnt, semantics=semantics, threshold=1.5,
+            for det in (False, True):  # most codes unused: restarts
+                x, codes, *state = make(B, K, D, L=L, device=dev, used=K // 3)
+                sparsefuse.vq_ema_update(x, codes, *state, semantics=semantics, threshold=1.5,
                                          restart_after_steps=2, deterministic=det,
                                          generator=torch.Generator(device=dev).manual_seed(1))
     # the restart of the multi-rank path (rows summed over ranks), called as one rank would
