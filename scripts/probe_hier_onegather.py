@@ -16,6 +16,7 @@ and today's two-sweep fused forward.
 
     python scripts/probe_hier_onegather.py OUT.json      # GPU
     TRITON_INTERPRET=1 python scripts/probe_hier_onegather.py --check   # CPU: the kernel against float64
+    python scripts/probe_hier_onegather.py --sm90   # any machine: layout, shuffles, registers per tile shape
 """
 import json
 import sys
@@ -120,8 +121,48 @@ def main(path):
         json.dump(res, f, indent=1)
 
 
+def sm90():
+    """Compile the kernel for sm_90a as a real launch specialises it (16-divisible pointers, D and
+    row stride; Triton ships ptxas) and print, per (K, BLOCK_D, warps): the register tile's layout,
+    the shuffles in the PTX, and ptxas' registers and spill bytes. Session 26 asked whether putting K
+    inside a thread (no shuffles in the scans) would leave only the gv reductions across lanes."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _onegather_kernel
+    ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    types = dict(idx_ptr="*i64", vals_ptr="*fp32", w_ptr="*fp32", bias_ptr="*fp32", tgt_ptr="*fp32", gw_ptr="*fp32",
+                 gv_ptr="*fp32", loss_ptr="*fp32", etot_ptr="*fp32", B="i32", K="i32", D="i32", stride_wf="i32")
+    for K, block_d, nw in ((64, 32, 1), (64, 64, 2), (32, 128, 1), (64, 128, 1), (128, 128, 1)):
+        const = dict(BLOCK_K=K, BLOCK_D=block_d)
+        names = fn.arg_names
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
+                 if t.startswith("*") or n in ("D", "stride_wf")}
+        src = ASTSource(fn=fn, signature={n: "constexpr" if n in const else types[n] for n in names},
+                        constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+        layout = re.search(r"#blocked = (.*)", k.asm["ttgir"]).group(1)
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "k.ptx"), "w") as f:
+                f.write(k.asm["ptx"])
+            info = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.path.join(d, "k.cubin")],
+                                  capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", info).group(1)
+        spill = re.search(r"(\d+) bytes spill stores", info).group(1)
+        print(f"K={K} BLOCK_D={block_d} warps={nw}: {layout}; shfl.sync {k.asm['ptx'].count('shfl.sync')}; "
+              f"{regs} registers, {spill} bytes spill stores")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--check"]:
         check("cpu")
+    elif sys.argv[1:] == ["--sm90"]:
+        sm90()
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else "probe_hier_onegather.json")
