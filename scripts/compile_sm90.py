@@ -28,13 +28,15 @@ from sparsefuse.vq import kernels as vq  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(fn, types, const, num_warps=2):
+def compile_one(fn, types, const, num_warps=2, divisible=()):
     """Compile ``fn`` with pointer/integer ``types`` and constexpr ``const`` (None marks an absent
-    optional pointer)."""
+    optional pointer); the arguments named in ``divisible`` are specialised as multiples of 16, as a
+    launch specialises 16-byte-aligned pointers and such integers. Returns the compiled kernel."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in const else types[n] for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()}, attrs={})
-    triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
 def variants():

@@ -132,21 +132,14 @@ def sm90():
     import tempfile
 
     import triton.backends.nvidia as nvidia
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from compile_sm90 import compile_one  # scripts/ is on sys.path when this script runs
 
-    fn = _onegather_kernel
     ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
     types = dict(idx_ptr="*i64", vals_ptr="*fp32", w_ptr="*fp32", bias_ptr="*fp32", tgt_ptr="*fp32", gw_ptr="*fp32",
                  gv_ptr="*fp32", loss_ptr="*fp32", etot_ptr="*fp32", B="i32", K="i32", D="i32", stride_wf="i32")
+    divisible = [n for n, t in types.items() if t.startswith("*") or n in ("D", "stride_wf")]
     for K, block_d, nw in ((64, 32, 1), (64, 64, 2), (32, 128, 1), (64, 128, 1), (128, 128, 1)):
-        const = dict(BLOCK_K=K, BLOCK_D=block_d)
-        names = fn.arg_names
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
-                 if t.startswith("*") or n in ("D", "stride_wf")}
-        src = ASTSource(fn=fn, signature={n: "constexpr" if n in const else types[n] for n in names},
-                        constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+        k = compile_one(_onegather_kernel, types, dict(BLOCK_K=K, BLOCK_D=block_d), nw, divisible)
         layout = re.search(r"#blocked = (.*)", k.asm["ttgir"]).group(1)
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "k.ptx"), "w") as f:
