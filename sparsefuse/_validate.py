@@ -37,8 +37,8 @@ def set_index_checks(enabled: Optional[bool]) -> None:
 
     Unchecked or not, kernels never read or write out of bounds: an out-of-range index turns every
     output that depends on it into NaN (never into a plausible number) and contributes nothing to
-    the weight gradient. (CPU tensors without the Triton interpreter run the PyTorch references,
-    whose indexing raises PyTorch's own index error there instead.)
+    the weight gradient. The ops' PyTorch implementations (CPU tensors without the Triton
+    interpreter) do the same.
     ``SPARSEFUSE_CHECK_INDICES=1`` / ``0`` sets the mode from the environment.
     """
     global _check_indices
@@ -96,12 +96,30 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int) -> None:
         raise IndexError(f"{name} holds {first}, outside [0, {upper})")
 
 
+def check_in_place(name: str, t: Optional[torch.Tensor]) -> None:
+    """For a tensor an op rewrites in place: refuse one that requires grad while grad mode is on (as
+    PyTorch's own in-place ops refuse a leaf), and one whose elements share memory (an expanded
+    tensor, which PyTorch's in-place ops refuse too; a kernel would race on it)."""
+    if t is None:
+        return
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but it is rewritten in place: call this under torch.no_grad(), "
+                         f"or keep {name} a buffer (or a Parameter with requires_grad=False)")
+    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(t) == 1:
+        raise ValueError(f"{name} has elements that share memory (an expanded tensor?), but it is rewritten in place")
+
+
 def check_number(name: str, x, *, positive: bool) -> float:
     """A finite Python or NumPy number (not a bool), > 0 (``positive``) or >= 0, as a float. A tensor
-    is refused: reading its value (float(tensor)) would be a host sync."""
-    if isinstance(x, torch.Tensor):
+    is refused: reading its value (float(tensor)) would be a host sync. Finiteness is two comparisons,
+    not ``math.isfinite``, which Dynamo cannot trace on a number it made symbolic (``dynamic=True``,
+    or a value that changed between calls)."""
+    if type(x) is float or type(x) is int:  # the common case, without the ABC check (host time per step)
+        ok = -math.inf < x < math.inf
+    elif isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a Python number, not a tensor (reading a tensor's value is a host sync)")
-    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    else:
+        ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and -math.inf < x < math.inf
     if not ok or not (x > 0 if positive else x >= 0):
         raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {x!r}")
     return float(x)

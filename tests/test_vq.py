@@ -4,6 +4,7 @@ CPU tier: the Triton kernels under the interpreter against ``sparsefuse.vq.refer
 float64. GPU tier (``-m gpu``): every x dtype and the benchmark shapes.
 """
 
+import copy
 import os
 import re
 import subprocess
@@ -436,6 +437,43 @@ def test_ema_update_bad_inputs():
     for eps in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=f"eps must be a positive finite number, got {eps}"):
             vq_ema_update(x[:0], codes[:0], *state, eps=eps)
+    # a NaN reset size made every restarted code's N NaN (and with "laplace" every row); a negative
+    # one left negative cluster sizes; a NaN threshold switched restarts off; 2.5 steps became 2
+    for name, bad in (("threshold", float("nan")), ("threshold", -1.0), ("reset_cluster_size", float("nan")),
+                      ("reset_cluster_size", -1.0), ("restart_after_steps", -1), ("restart_after_steps", float("inf"))):
+        with pytest.raises(ValueError, match=re.escape(f"{name} must be a non-negative finite number, got {bad}")):
+            vq_ema_update(x, codes, *[t.clone() for t in state], **{name: bad})
+    with pytest.raises(ValueError, match=re.escape("restart_after_steps must be a whole number of steps, got 2.5")):
+        vq_ema_update(x, codes, *state, semantics="active", restart_after_steps=2.5)
+    # a tensor decay was read with float(): a host sync per step
+    with pytest.raises(ValueError, match=r"decay must lie in \[0, 1\], got tensor"):
+        vq_ema_update(x, codes, *state, decay=torch.tensor(0.9))
+    for name in ("threshold", "reset_cluster_size", "restart_after_steps"):
+        with pytest.raises(TypeError, match=f"{name} must be a Python number, not a tensor"):
+            vq_ema_update(x, codes, *state, **{name: torch.tensor(1.0)})
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+def test_ema_update_refuses_state_that_requires_grad(which):
+    """State held as a trainable Parameter: the CPU reference path raised PyTorch's in-place leaf
+    error while the kernels rewrote it silently. Both now refuse it by name in grad mode, and both
+    update it under torch.no_grad(), as PyTorch allows for any in-place op on a leaf."""
+    x, codes, *state = make(8, 5, 4, used=2)
+    names = ("codebook", "cluster_size", "embed_sum", "steps_since_active")
+    got = [t.clone() for t in state]
+    if which < 3:
+        got[which].requires_grad_()
+        with pytest.raises(ValueError, match=f"{names[which]} requires grad, but it is rewritten in place"):
+            vq_ema_update(x, codes, *got, semantics="active", restart_after_steps=2)
+    else:  # integer counters cannot require grad; the generic case is covered by the three above
+        got[0].requires_grad_()
+    want = [t.clone() for t in state]
+    with torch.no_grad():
+        vq_ema_update(x, codes, *got, semantics="active", restart_after_steps=2,
+                      generator=torch.Generator(device=DEVICE).manual_seed(1))
+    vq_ema_update(x, codes, *want, semantics="active", restart_after_steps=2,
+                  generator=torch.Generator(device=DEVICE).manual_seed(1))
+    assert_state(got, want)
 
 
 def test_ema_update_generator_device_checked():
@@ -627,6 +665,28 @@ def _check_compile_fullgraph_parity(device):
 
 def test_compile_fullgraph_parity():
     _check_compile_fullgraph_parity(DEVICE)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_with_numbers_that_change(dynamic):
+    """decay, eps and the restart threshold passed per call (a schedule): Dynamo makes them
+    symbolic once they change (from the first call with ``dynamic=True``) and the checks must
+    still trace. Each compiled update equals eager mode from the same seed."""
+    def step(x, codes, codebook, cs, es, cnt, decay, eps, threshold):
+        vq_ema_update(x, codes, codebook, cs, es, cnt, decay=decay, eps=eps, semantics="laplace",
+                      threshold=threshold)
+        return nearest_code(x, codebook)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    x, codes, *state = make(17, 6, 8, used=2)
+    eager, comp = [t.clone() for t in state], [t.clone() for t in state]
+    for decay, eps, threshold in ((0.9, 1e-5, 5.0), (0.8, 2e-5, 4.0), (0.95, 1e-3, 0.5)):
+        torch.manual_seed(3)
+        want = step(x, codes, *eager, decay, eps, threshold)
+        torch.manual_seed(3)
+        got = compiled(x, codes, *comp, decay, eps, threshold)
+        assert_state(comp, eager)
+        assert torch.equal(got[0], want[0])
 
 
 def test_generator_under_compile():
@@ -1070,6 +1130,34 @@ def test_module_rejects_a_wrong_last_dim_before_updating(levels):
             m(bad)
     for a, b in zip(before, m.buffers()):
         assert torch.equal(a, b)
+
+
+def test_residual_vq_needs_a_level():
+    """num_levels=0 built a module whose first forward died in a ZeroDivisionError."""
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"num_levels must be a positive int, got {bad!r}")):
+            ResidualVQ(bad, 4, 8)
+
+
+@pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
+def test_module_step_under_compile_dynamic(levels):
+    """A training step of the modules compiled with dynamic=True: the module's eps and decay reach
+    the update as symbolic numbers (math.isfinite could not trace them). Same state and output as
+    an eager copy of the module."""
+    torch.manual_seed(0)
+    m = (VectorQuantizer(4, 8, threshold=1.0) if levels is None else ResidualVQ(levels, 4, 8, threshold=1.0)).to(DEVICE)
+    twin = copy.deepcopy(m)
+    compiled = torch.compile(m, fullgraph=True, dynamic=True)
+    for step in range(2):
+        x = torch.randn(5 + step, 4, device=DEVICE)
+        torch.manual_seed(step)
+        want = twin(x)
+        torch.manual_seed(step)
+        got = compiled(x)
+        for a, b in zip(got, want):
+            assert_close(a, b, torch.float32, f"output, step {step}")
+        for (name, a), b in zip(m.named_buffers(), twin.buffers()):
+            assert_close(a, b, torch.float32, name) if a.is_floating_point() else assert_same(a, b, name)
 
 
 def test_residual_vq_gradient_under_compile():

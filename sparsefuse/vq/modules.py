@@ -175,6 +175,8 @@ class ResidualVQ(VectorQuantizer):
     """
 
     def __init__(self, num_levels: int, dim: int, codebook_size: int, **kwargs):
+        if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
+            raise ValueError(f"num_levels must be a positive int, got {num_levels!r}")
         super().__init__(dim, codebook_size, _levels=num_levels, **kwargs)
         self.num_levels = num_levels
 

@@ -20,13 +20,14 @@ Triton interpreter, the references in ``reference.py`` run.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, bump_versions, first_order, plain_eager, register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_index_range, check_number, check_tensor
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
@@ -128,12 +129,28 @@ def _draw_key_eagerly(levels, device, generator):
     return reference.draw_key(levels, device, generator)
 
 
-def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, generator=None):
+def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, threshold=0.0,
+                      reset_cluster_size=None, restart_after_steps=0, generator=None):
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
-    if not 0.0 <= float(decay) <= 1.0:
-        raise ValueError(f"decay must lie in [0, 1], got {decay}")
+    number = type(decay) is float or type(decay) is int or (isinstance(decay, numbers.Real)  # not a tensor (a sync)
+                                                              and not isinstance(decay, bool))
+    if not (number and 0.0 <= decay <= 1.0):
+        raise ValueError(f"decay must lie in [0, 1], got {decay!r}")
     check_number("eps", eps, positive=True)
+    # a NaN or negative value would pass silently into the state: a NaN reset size poisons every
+    # restarted code (and, with "laplace", every codebook row), a NaN threshold turns restarts off
+    check_number("threshold", threshold, positive=False)
+    if reset_cluster_size is not None:
+        check_number("reset_cluster_size", reset_cluster_size, positive=False)
+    check_number("restart_after_steps", restart_after_steps, positive=False)
+    if restart_after_steps != int(restart_after_steps):
+        raise ValueError(f"restart_after_steps must be a whole number of steps, got {restart_after_steps!r}")
+    if torch.is_grad_enabled():  # the state must not require grad (overlaps fail the contiguity checks)
+        for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
+                        ("steps_since_active", counters)):
+            if isinstance(t, Tensor) and t.requires_grad:
+                check_in_place(name, t)  # raises, naming it
     if generator is not None:
         if torch.compiler.is_compiling():
             raise ValueError(_GENERATOR_COMPILE)
@@ -218,6 +235,11 @@ def vq_ema_update(
         deterministic: sum the statistics in a fixed order (rows sorted by code) instead of with
             atomics; default ``torch.are_deterministic_algorithms_enabled()``.
 
+    ``decay``, ``eps``, ``threshold``, ``reset_cluster_size`` and ``restart_after_steps`` must be finite
+    Python numbers (a tensor would cost a host sync), non-negative, ``restart_after_steps`` whole;
+    otherwise ``ValueError`` / ``TypeError`` names them. The state tensors must not require grad while
+    grad mode is on (``ValueError``), as for any in-place op on a leaf.
+
     Dead codes restart from distinct random rows of x while there are at most B (under DDP the sum
     of every rank's B) of them. No B x K one-hot, no host sync, fp32 state whatever the dtype of x.
 
@@ -237,7 +259,7 @@ def vq_ema_update(
     """
     active = semantics == "active"
     _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay, eps,
-                      generator)
+                      threshold, reset_cluster_size, restart_after_steps, generator)
     if active and restart_after_steps > 0 and steps_since_active is None:
         raise ValueError("semantics='active' with restart_after_steps > 0 needs steps_since_active")
     if restart_after_steps >= _COUNTER_EXACT:
