@@ -3,7 +3,8 @@ with the kernels before a change and after, alternated in one process. Bench sha
 V = 128256, K = 64, bf16). Writes $OUT/probe_kd_tail.json.
 
 The kernels before are not in the tree; make them, untracked, from the commit before the change
-(session 23's exact tail: 040c9c2; session 24's bit map: d7f4ccb) before the device run:
+(session 23's exact tail: 040c9c2; session 24's bit map: d7f4ccb; session 27's repeated-id check in the
+forward and the barrier before the backward's sweep: f165d28) before the device run:
     git show d7f4ccb:sparsefuse/kd/kernels.py | sed -e 's/^from \.\._/from sparsefuse._/' \
         -e 's/^from \.reference/from sparsefuse.kd.reference/' > scripts/_kd_kernels_before.py
 """

@@ -735,6 +735,30 @@ def test_compile_fullgraph():
     compare(got, want, torch.float32, ["loss", "grad_z", "grad_h", "grad_w"])
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_with_options_that_change(dynamic):
+    """A temperature schedule and a per-step ``num_items_in_batch`` (gradient accumulation) change
+    Python numbers between calls; Dynamo then makes them symbolic (from the first call with
+    ``dynamic=True``), and the option checks must still trace. Each call matches eager mode."""
+    d = make(6, 3, 37, dtype=torch.float32, dup=False)
+
+    def fn(z, h, w, T, items, ce):
+        a = sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize="tail", temperature=T,
+                                                num_items_in_batch=items)
+        b = sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], temperature=T, labels=d["labels"],
+                                                ce_weight=ce, chunk_size=4)
+        c = sparsefuse.topk_kd_loss(z[:, :3], d["t"], d["m"], temperature=T, num_items_in_batch=items)
+        return a + b + c
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    for T, items, ce in ((1.0, 4, 0.5), (1.5, 5, 0.25), (2.0, 7.5, 0.0)):
+        params = [leaf(d["z"]), leaf(d["h"]), leaf(d["w"])]
+        want = grads(fn(*params, T, items, ce), params)
+        params = [leaf(d["z"]), leaf(d["h"]), leaf(d["w"])]
+        got = grads(compiled(*params, T, items, ce), params)
+        compare(got, want, torch.float32, [f"loss T={T}", "grad_z", "grad_h", "grad_w"])
+
+
 def test_opcheck():
     d = make(5, 3, 37, dtype=torch.float32, dup=False)
     m = d["m"]
@@ -861,6 +885,41 @@ def test_out_of_range_id_without_checks_kernels_match_reference(normalize):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
     gw, gb = hidden[0][0][3:5]  # without cross-entropy
     assert [bool(torch.isfinite(x).all()) for x in (gw, gb)] == [normalize == "topk"] * 2
+
+
+@pytest.mark.parametrize("T", [1.0, 2.0])
+def test_tail_repeated_id_without_checks_poisons_the_token(T):
+    """Index checks off (the CUDA default), "tail": a token whose unmasked ids repeat gets a NaN loss
+    and a NaN gradient row, as for an id outside [0, V). Before, the kernels counted the repeated
+    column twice in lse_K, so lse_V came out too large: a finite wrong loss and, at T = 1 (where the
+    cross-entropy reuses lse_V), a wrong cross-entropy, while the reference computed another value.
+    The other tokens are as without the repeat, and kernels and reference agree."""
+    from sparsefuse.kd import kernels
+
+    d = make(5, 3, 37, dtype=torch.float64, dup=False)
+    ids, m = d["ids"].clone(), d["m"].clone()
+    ids[3, 1], m[3, :2] = ids[3, 0], True
+    one = torch.ones((), dtype=torch.float64, device=DEVICE)
+    sparsefuse.set_index_checks(False)
+    try:
+        clean = kernels.logits_fwd(d["z"], d["ids"], d["t"], m, 2, T, 1, None, 1.0)[1]
+        logits, hidden = [], []
+        for fwd, bwd, hid in ((kernels.logits_fwd, kernels.logits_bwd, kernels.hidden_fwd),
+                              (ref.kd_logits_fwd, ref.kd_logits_bwd, ref.kd_hidden_fwd)):
+            loss, tok, scale, lse, A, corr = fwd(d["z"], ids, d["t"], m, 2, T, 1, None, 1.0)
+            logits.append((loss, tok, bwd(one, None, d["z"], ids, m, lse, A, corr, scale, 2, T)))
+            hidden.append(hid(d["h"], d["w"], d["b"], ids, d["t"], m, d["labels"], 2, T, 1, None, 1.0, 0.5,
+                              True, True, True, 0))
+    finally:
+        sparsefuse.set_index_checks(None)
+    loss, tok, g = logits[0]
+    assert torch.isnan(loss) and torch.isnan(tok[3]) and torch.isnan(g[3]).all()
+    rest = [0, 1, 2, 4]
+    assert torch.isfinite(g[rest]).all()
+    assert torch.equal(tok[rest], clean[rest])
+    assert torch.isnan(hidden[0][1][3]) and torch.isnan(hidden[0][2][3]).all() and torch.isfinite(hidden[0][2][rest]).all()
+    for a, b in zip(logits[0] + hidden[0], logits[1] + hidden[1]):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
 
 
 def test_reference_topk_gradient_with_large_logits():

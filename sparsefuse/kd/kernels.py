@@ -225,6 +225,7 @@ def _kd_row_fwd_kernel(
     p_z = z_ptr + i_n * stride_zn
     b_lse = 0.0
     b_lse1 = 0.0
+    b_nslot = tl.zeros([BLOCK_V // 32, 32], dtype=tl.int32)  # "tail": the marked slot columns, counted
     if NORMALIZE > 0 or SEP_CE:
         # Online logsumexp, one tile max per iteration: one exp per element (two with SEP_CE and KD).
         # "tail" sums only the columns off the valid slots (lse_V comes from it and lse_K after), so
@@ -243,6 +244,7 @@ def _kd_row_fwd_kernel(
                 b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V / 32, 32]
                 b_word = tl.load(bit_ptr + i_n * stride_bn + o_w, mask=o_w * 32 < V, other=0)
                 m_slot = ((b_word[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0
+                b_nslot += m_slot.to(tl.int32)
                 b_x = tl.reshape(tl.where(m_slot, float("-inf"), b_z * inv_t), [BLOCK_V], can_reorder=True)
                 b_z = tl.reshape(b_z, [BLOCK_V], can_reorder=True)
             else:
@@ -259,6 +261,12 @@ def _kd_row_fwd_kernel(
             b_lse1 = b_m1 + tl.log(b_l1)
     # the slots after the sweep: loaded before it, they cost "full" 4% on an H100
     o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
+    if NORMALIZE == 2:
+        # A repeated unmasked id (index checks off) marks one column for two slots: fewer marked
+        # columns than valid slots. Its K + 1 outcomes are not distinct, so the token is poisoned as
+        # for an id outside [0, V): its loss, A and valid slots' values NaN (reference._slots).
+        m_dup = tl.sum(tl.sum(b_nslot, 1), 0) < tl.sum(m_valid.to(tl.int32), 0)
+        m_bad = m_bad | (m_valid & m_dup)
     b_s = tl.load(p_z + b_ids, mask=m_valid, other=0).to(ACC) * inv_t  # [BLOCK_K]
     b_lse_r = tl.zeros([1], dtype=ACC) + b_lse
     b_loss, b_A, b_corr, b_lse_v = _kd_slot_terms(b_s[None, :], b_t[None, :], m_valid[None, :], b_lse_r, NORMALIZE,
@@ -317,7 +325,7 @@ def _kd_row_bwd_kernel(
 ):
     """dL/dz for columns [v_lo, v_hi) of row i_n: dense c_kd*T*A*q_j (+ c_ce*softmax(z)_j), then the
     slot and label columns. Those few values are read before the dense sweep (which may overwrite z
-    in place) and stored after a barrier; slots sharing a column carry the same total, so
+    in place), with a barrier between, and stored after another; slots sharing a column carry the same total, so
     duplicate stores agree. "topk" and "full" slots add their corrections to the dense term;
     "tail" slots carry their whole value (A there is the coefficient of the columns off the slots)."""
     i_n = tl.program_id(0).to(tl.int64)
@@ -377,6 +385,9 @@ def _kd_row_bwd_kernel(
             b_xl = b_zl * inv_t - b_lse
             b_vl += tl.where(tl.sum(m_lab_slot.to(tl.int32), 0) > 0, b_cA * 0.0,
                              b_cA * tl.exp(tl.where(b_xl > 0, 0.0, b_xl)))
+    # In place (g_ptr == z_ptr), another warp's sweep may store over a slot or label column: every
+    # warp's loads of those columns above must be done first.
+    tl.debug_barrier()
     for i_v in range(v_lo, v_hi, BLOCK_V):
         o_v = i_v + tl.arange(0, BLOCK_V)
         m_v = o_v < v_hi

@@ -17,9 +17,9 @@ Teacher slots. Padding slots must be masked (``target_mask``) for ``"topk"`` and
 so for the gathered form): an unmasked slot enters the student's normaliser (lse_K, Q) whatever its
 log-prob, so a padding log-prob of -1e9 or -inf does not remove it there (it does under ``"full"``,
 where p = 0 makes the slot contribute nothing). The unmasked ids of a token should be distinct, as
-a teacher's top-K ids are: ``"tail"`` requires it (a repeated id would count the token's student
-mass twice in Q, which can pass 1; with index checks on, see ``set_index_checks``, it raises
-``ValueError``); under ``"full"`` repeated slots act as one slot with the summed probability (same
+a teacher's top-K ids are: ``"tail"`` requires it (its K slots and the tail must be K + 1 distinct
+outcomes): with index checks on (see ``set_index_checks``) a repeated id raises ``ValueError``;
+unchecked, it poisons the token as an id outside ``[0, V)`` does (below); under ``"full"`` repeated slots act as one slot with the summed probability (same
 gradient, the loss differs by a constant); under ``"topk"`` each slot is one outcome of the
 renormalised distribution, so a repeated id is counted twice in it. The teacher is fixed:
 ``target_logprobs`` that requires grad (with grad mode on) raises ``ValueError``; pass
@@ -119,9 +119,7 @@ def _check_ids(ids, mask, V, labels=None, distinct=False):
         on = mask != 0
         check_index_range("target_token_ids", torch.where(on, ids, torch.zeros_like(ids)), V)
         if distinct and ids.shape[1] > 1 and ids.shape[0]:
-            # masked slots get distinct negative keys, so only unmasked ids can repeat
-            keys = torch.where(on, ids.long(), -1 - torch.arange(ids.shape[1], device=ids.device)).sort(-1).values
-            rep = keys[:, 1:] == keys[:, :-1]
+            keys, rep = reference.repeated_ids(ids, on)
             if bool(rep.any()):
                 n, k = rep.nonzero()[0].tolist()
                 raise ValueError(f"target_token_ids repeats id {keys[n, k].item()} among the unmasked slots of token "

@@ -259,12 +259,23 @@ def _gather(z, ids, valid):
     return z.gather(-1, torch.where(valid, ids, torch.zeros_like(ids)).long())
 
 
-def _slots(ids, mask, V):
+def repeated_ids(ids, on):
+    """(keys, rep): each token's ids sorted, the slots off ``on`` given distinct negative keys, and
+    rep [N, K - 1] True where a key equals the next one: an id repeated among the slots on."""
+    keys = torch.where(on, ids.long(), -1 - torch.arange(ids.shape[1], device=ids.device)).sort(-1).values
+    return keys, keys[:, 1:] == keys[:, :-1]
+
+
+def _slots(ids, mask, V, normalize=1):
     """(valid, bad): unmasked slots with an id in [0, V), and unmasked slots outside it (which only
-    reach the ops with index checks off)."""
+    reach the ops with index checks off). For "tail" (``normalize`` 2) a token whose valid ids
+    repeat has all its valid slots bad too, as in the kernels (its K + 1 outcomes are not distinct)."""
     on = mask != 0
     inside = (ids >= 0) & (ids < V)
-    return on & inside, on & ~inside
+    valid, bad = on & inside, on & ~inside
+    if normalize == 2 and ids.shape[1] > 1:
+        bad = bad | (valid & repeated_ids(ids, valid)[1].any(-1, keepdim=True))
+    return valid, bad
 
 
 def _poison(bad, loss, A, corr):
@@ -286,7 +297,7 @@ def row_terms(s, ids, t, valid, normalize):
 
 def kd_logits_fwd(z, ids, t, mask, normalize, temperature, reduction, num_items, num_items_value):
     dt = acc_dtype(z, t)
-    valid, bad = _slots(ids, mask, z.shape[1])
+    valid, bad = _slots(ids, mask, z.shape[1], normalize)
     loss, A, corr, lse = row_terms(z.to(dt) / temperature, ids, t.to(dt), valid, normalize)
     loss, A, corr = _poison(bad, loss, A, corr)
     tok = loss * temperature**2
@@ -333,7 +344,7 @@ def kd_hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, tempera
     z = hidden.to(dt) @ weight.to(dt).t()
     if bias is not None:
         z = z + bias.to(dt)
-    valid, bad = _slots(ids, mask, weight.shape[0])
+    valid, bad = _slots(ids, mask, weight.shape[0], normalize)
     loss, A, corr, lse = row_terms(z / temperature, ids, t.to(dt), valid, normalize)
     tok = loss.masked_fill(bad.any(-1), float("nan")) * temperature**2
     has_ce = labels is not None and ce_weight != 0.0
