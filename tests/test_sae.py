@@ -757,6 +757,21 @@ def test_bad_input_errors(op, mutate, exc, match):
         sparsefuse.set_index_checks(None)
 
 
+def test_decode_float64_bias_gradient_summed_in_float64():
+    """fp32 vals and weight with a float64 bias: the forward adds the bias in float64, and its gradient
+    (the column sums of the fp32 incoming gradient) must be summed in float64 too; it was summed in
+    float32 and cast (5e-8 relative error at B = 4096)."""
+    g = torch.Generator().manual_seed(0)
+    B, K, F, D = 512, 1, 2, 3
+    idx = torch.zeros(B, K, dtype=torch.int64, device=DEVICE)
+    vals, weight = (torch.rand(*s, generator=g).to(DEVICE) for s in ((B, K), (F, D)))
+    bias = torch.zeros(D, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    grad = (torch.rand(B, D, generator=g) * 1e3 + torch.rand(B, D, generator=g)).to(DEVICE)
+    (got,) = torch.autograd.grad(sparsefuse.sae_decode(idx, vals, weight, bias), [bias], grad)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, grad.double().sum(0), rtol=1e-14, atol=0)
+
+
 def test_bad_input_decode():
     idx, weight, vals, bias, _ = _good()
     with pytest.raises(ValueError, match=r"vals has shape"):
@@ -870,6 +885,34 @@ def test_cpu_reference_path_without_interpreter():
         "import torch, sparsefuse, sparsefuse._registry as r; assert not r.INTERPRET\n"
         "from sparsefuse.bench.sae import check\n"
         "assert check()\n"
+        "print('ok')\n"
+    )
+    _run_without_interpreter(code)
+
+
+def test_cpu_reference_path_poisons_unchecked_bad_indices():
+    """Without TRITON_INTERPRET and with index checks off, the ops' PyTorch implementations treat an
+    index outside [0, F) as the kernels do: NaN outputs and nothing added to the weight gradient.
+    Index -1 used to wrap onto row F - 1 (a plausible loss) and F or 10^6 raised PyTorch's own error."""
+    code = (
+        "import torch, sparsefuse, sparsefuse._registry as r; assert not r.INTERPRET\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "B, K, F, D = 4, 3, 6, 5\n"
+        "rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)\n"
+        "idx0 = torch.randint(0, F - 1, (B, K), generator=g)  # row F - 1 is used by no entry\n"
+        "sparsefuse.set_index_checks(False)\n"
+        "for bad in (-1, F, 10**6):\n"
+        "    idx = idx0.clone()\n"
+        "    idx[1, 1] = bad\n"
+        "    w, v, b, t = (x.requires_grad_() for x in (rnd(F, D), rnd(B, K), rnd(D), rnd(B, D)))\n"
+        "    for name, out in (('decode', sparsefuse.sae_decode(idx, v, w, b)[1].sum()),\n"
+        "                      ('topk', sparsefuse.topk_sae_loss(idx, w, v, b, t)),\n"
+        "                      ('hierarchical', sparsefuse.hierarchical_sae_loss(idx, w, v, b, t)),\n"
+        "                      ('linear', sparsefuse.sparse_linear(t, w, idx)[1, 1])):\n"
+        "        assert torch.isnan(out), (name, bad)\n"
+        "        gw, gv = torch.autograd.grad(out, [w, v] if name != 'linear' else [w, t])\n"
+        "        assert torch.equal(gw[F - 1], torch.zeros(D, dtype=gw.dtype)), (name, bad, gw[F - 1])\n"
+        "        assert torch.isnan(gv[1, 1] if name != 'linear' else gv[1]).all(), (name, bad)\n"
         "print('ok')\n"
     )
     _run_without_interpreter(code)

@@ -78,6 +78,27 @@ def test_some_inputs_frozen(frozen):
     check_against_fp64(*make(6, 3, 8, 20, torch.float64), torch.float64, frozen=frozen)
 
 
+def test_frozen_x_shift_gradient_in_float16():
+    """With x frozen, grad_x_shift = -(per-feature sums of grad) @ weight runs in float16 for a float16
+    weight: sums past 65504 became inf where the gradient fits, while the x-trainable path was right.
+    Every row picks features 0 and 2, so their sums are B times the incoming 3e4."""
+    B, K, F, D = 4, 2, 3, 5
+    x, weight, _, bias, shift = make(B, K, F, D, torch.float16)
+    weight = weight * 0.05
+    idx = torch.zeros(B, K, dtype=torch.int64, device=DEVICE)
+    idx[:, 1] = 2
+    grad = torch.full((B, K), 3e4, dtype=torch.float16, device=DEVICE)
+    got = []
+    for x_grad in (False, True):
+        s = shift.clone().requires_grad_()
+        out = sparsefuse.sparse_linear(x.clone().requires_grad_(x_grad), weight, idx, bias, s)
+        got.append(torch.autograd.grad(out, [s], grad)[0])
+    want = -(grad.double().sum(0) @ weight.double()[[0, 2]])
+    for g in got:
+        assert torch.isfinite(g).all() and g.abs().min() > 0
+        assert_close(g, want, torch.float16, "grad_x_shift")
+
+
 @pytest.mark.parametrize("shift", [True, False], ids=["shift", "noshift"])
 def test_non_contiguous_inputs(shift):
     """noshift: x reaches the kernels as it is (x - x_shift would have made a contiguous copy)."""

@@ -280,6 +280,18 @@ def test_row_ops_bad_input():
         remove_parallel_component_(g[:, :6], w)
     with pytest.raises(ValueError, match=r"grad is on meta"):
         remove_parallel_component_(g.to("meta"), w)
+    # what PyTorch's in-place ops refuse: the kernels rewrote a trainable leaf without complaint, and
+    # raced on an expanded gradient, while the CPU reference path raised
+    leaf = w.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"weight requires grad, but it is rewritten in place: call this under "
+                                         r"torch.no_grad\(\)"):
+        normalize_rows_(leaf)
+    with torch.no_grad():
+        torch.testing.assert_close(normalize_rows_(leaf), normalize_rows_(w.clone()))
+    with pytest.raises(ValueError, match=r"grad has elements that share memory"):
+        remove_parallel_component_(g[:1].expand(5, 7), w)
+    with pytest.raises(ValueError, match=r"weight has elements that share memory"):
+        normalize_rows_(w[:, :1].expand(5, 7))
 
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])

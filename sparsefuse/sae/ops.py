@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_tensor
 from . import kernels, reference
 
 
@@ -75,6 +75,8 @@ def _decode_backward(ctx, grad):
     indices, vals, weight = ctx.saved_tensors
     _, need_vals, need_weight, need_bias = ctx.needs_input_grad
     gv, gw, gb = _decode_bwd_op(grad, indices, vals, weight, need_weight)
+    if need_bias and ctx.bias_dtype == torch.float64 and gb.dtype != torch.float64:
+        gb = grad.sum(0, dtype=torch.float64)  # a float64 bias: its sum in float64, as the forward added it
     return (None, gv if need_vals else None, gw if need_weight else None,
             gb.to(ctx.bias_dtype) if need_bias else None)
 
@@ -516,6 +518,7 @@ def normalize_rows_(weight: Tensor, eps: float = 1e-12) -> Tensor:
     reads of each row (the second mostly from L2) and one write (norm in float32, float64 for
     float64). Returns ``weight``."""
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
+    check_in_place("weight", weight)
     _normalize_op(weight, float(eps))
     return weight
 
@@ -527,5 +530,6 @@ def remove_parallel_component_(grad: Tensor, weight: Tensor, eps: float = 1e-12)
     Returns ``grad``."""
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("grad", grad, shape=tuple(weight.shape), dtypes=FLOAT_DTYPES, device=weight.device)
+    check_in_place("grad", grad)
     _project_op(grad, weight, float(eps))
     return grad

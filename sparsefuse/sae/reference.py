@@ -65,16 +65,27 @@ def sparse_linear(x, weight, indices, bias=None, x_shift=None):
     return out if bias is None else out + bias[indices.long()]
 
 
+def _rows(weight, indices):
+    """weight[indices] ([B, K, D]) for the ops' CPU implementation, as the kernels read it: an index
+    outside [0, F), which reaches here only with index checks off, gives a NaN row (PyTorch's indexing
+    would wrap a negative index onto a real row, and raise past F - 1)."""
+    idx = indices.long()
+    bad = (idx < 0) | (idx >= weight.shape[0])
+    return weight[idx.clamp(0, weight.shape[0] - 1)].masked_fill(bad.unsqueeze(-1), float("nan"))
+
+
 def _scatter_rows(indices, rows, num_features):
-    """grad[f] = sum of rows[e] over entries e with indices.flat[e] == f (rows: [B*K, D])."""
-    out = rows.new_zeros(num_features, rows.shape[-1])
-    return out.index_add_(0, indices.reshape(-1).long(), rows)
+    """grad[f] = sum of rows[e] over entries e with indices.flat[e] == f (rows: [B*K, D]); an entry
+    outside [0, F) (index checks off) adds to no feature, as in the kernels."""
+    idx = indices.reshape(-1).long()
+    ok = (idx >= 0) & (idx < num_features)
+    return rows.new_zeros(num_features, rows.shape[-1]).index_add_(0, idx[ok], rows[ok])
 
 
 def sae_decode_fwd(indices, vals, weight, bias):
     check_index_range("indices", indices, weight.shape[0])
     dt = acc_dtype(weight, vals, bias)
-    out = torch.einsum("bk,bkd->bd", vals.to(dt), weight[indices.long()].to(dt))
+    out = torch.einsum("bk,bkd->bd", vals.to(dt), _rows(weight, indices).to(dt))
     if bias is not None:
         out = out + bias.to(dt)
     return out.to(torch.promote_types(vals.dtype, weight.dtype))
@@ -83,7 +94,7 @@ def sae_decode_fwd(indices, vals, weight, bias):
 def sae_decode_bwd(grad, indices, vals, weight, need_weight_grad):
     dt = acc_dtype(weight, vals, grad)
     g = grad.to(dt)
-    rows = weight[indices.long()].to(dt)  # [B, K, D]
+    rows = _rows(weight, indices).to(dt)  # [B, K, D]
     grad_vals = torch.einsum("bkd,bd->bk", rows, g).to(vals.dtype)
     grad_bias = g.sum(0)
     if need_weight_grad:
@@ -98,7 +109,7 @@ def topk_sae_loss_fwd(indices, weight, vals, bias, target):
     """Returns (loss, resid [B, D], gv [B, K]) with resid = recon - target, gv = <resid, w_idx>."""
     check_index_range("indices", indices, weight.shape[0])
     dt = acc_dtype(weight, vals, bias, target)
-    rows = weight[indices.long()].to(dt)
+    rows = _rows(weight, indices).to(dt)
     resid = torch.einsum("bk,bkd->bd", vals.to(dt), rows) - target.to(dt)
     if bias is not None:
         resid = resid + bias.to(dt)
@@ -129,7 +140,7 @@ def hierarchical_sae_loss_fwd(indices, weight, vals, bias, target):
 
 
 def _prefix_errors(indices, weight, vals, bias, target, dt):
-    err = (vals.to(dt).unsqueeze(-1) * weight[indices.long()].to(dt)).cumsum(1) - target.to(dt).unsqueeze(1)
+    err = (vals.to(dt).unsqueeze(-1) * _rows(weight, indices).to(dt)).cumsum(1) - target.to(dt).unsqueeze(1)
     return err if bias is None else err + bias.to(dt)
 
 
@@ -140,7 +151,7 @@ def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, et
     err = _prefix_errors(indices, weight, vals, bias, target, dt)
     gc = grad_loss.to(dt) * (2.0 / max(err.numel(), 1))
     suffix = err.flip(1).cumsum(1).flip(1) * gc  # [B, K, D]
-    grad_vals = torch.einsum("bkd,bkd->bk", suffix, weight[indices.long()].to(dt)).to(vals.dtype)
+    grad_vals = torch.einsum("bkd,bkd->bk", suffix, _rows(weight, indices).to(dt)).to(vals.dtype)
     grad_bias = etot.sum(0) * gc
     if need_weight_grad:
         rows = (vals.to(dt).unsqueeze(-1) * suffix).reshape(indices.numel(), err.shape[-1])
@@ -160,9 +171,9 @@ def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
         return values.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
     dt = acc_dtype(x, weight, bias, x_shift)
     xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
-    out = torch.einsum("bd,bkd->bk", xc, weight[indices.long()].to(dt))
+    out = torch.einsum("bd,bkd->bk", xc, _rows(weight, indices).to(dt))
     if bias is not None:
-        out = out + bias[indices.long()].to(dt)
+        out = out + _rows(bias[:, None], indices)[..., 0].to(dt)
     return out.to(out_dtype)
 
 
@@ -170,7 +181,7 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     dt = acc_dtype(grad, x, weight, x_shift)
     g = grad.to(dt)
     F = weight.shape[0]
-    gx = torch.einsum("bk,bkd->bd", g, weight[indices.long()].to(dt))
+    gx = torch.einsum("bk,bkd->bd", g, _rows(weight, indices).to(dt))
     grad_x = gx.to(x.dtype) if need_x else x.new_empty(0)
     grad_shift = -gx.sum(0) if need_shift else g.new_empty(0)
     grad_weight = weight.new_empty(0)
@@ -178,7 +189,7 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
         xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
         per_entry = (g.unsqueeze(-1) * xc.unsqueeze(1)).reshape(indices.numel(), x.shape[-1])
         grad_weight = _scatter_rows(indices, per_entry, F).to(weight.dtype)
-    grad_bias = g.new_zeros(F).index_add_(0, indices.reshape(-1).long(), g.reshape(-1)) if need_bias else g.new_empty(0)
+    grad_bias = _scatter_rows(indices, g.reshape(-1, 1), F)[:, 0] if need_bias else g.new_empty(0)
     return grad_x, grad_weight, grad_bias, grad_shift
 
 
