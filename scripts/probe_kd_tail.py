@@ -28,7 +28,7 @@ N, V, K = (int(x) for x in os.environ.get("SHAPE", "8192,128256,64").split(","))
 dev = "cuda"
 torch.manual_seed(0)
 z = (torch.randn(N, V, device=dev) * 2).bfloat16()
-ids, t, m = make_targets(N, K, V, dev)
+ids, t, m = make_targets(N, K, V, dev, distinct=True)  # "tail" poisons a token whose ids repeat (session 27)
 one = torch.ones((), device=dev)
 
 

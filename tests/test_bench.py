@@ -125,6 +125,20 @@ def test_no_two_cases_share_a_result_key(capsys):
             assert keys and len(set(keys)) == len(keys), (name, quick)
 
 
+def test_kd_make_targets_distinct_ids():
+    """distinct=True (what "tail" timings need: it poisons a token whose unmasked ids repeat) draws K
+    distinct ids per token in [0, V) above V = 4096 too, where the default draws repeat."""
+    from sparsefuse.bench import kd
+
+    N, K, V = 256, 64, 50000
+    for distinct in (False, True):
+        ids, _, m = kd.make_targets(N, K, V, "cpu", distinct=distinct)
+        keys = torch.where(m, ids, -1 - torch.arange(K)).sort(1).values
+        repeats = int((keys[:, 1:] == keys[:, :-1]).any(1).sum())
+        assert (repeats == 0) == distinct, (distinct, repeats)
+        assert 0 <= int(ids.min()) and int(ids.max()) < V
+
+
 def test_kd_hidden_topk_baselines_use_only_the_k_gathered_logits():
     """normalize="topk" needs the K logits of each token only: the eager baseline must not compute
     the [N, V] logits (it did, h @ w.t(), and the published speed-up was against that), and it

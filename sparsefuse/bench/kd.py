@@ -40,13 +40,20 @@ ISSUE_SHAPE = dict(N=8192, H=4096, V=128256, K=64)  # the default shape, where t
 GATHERED_ROUNDS = 5
 
 
-def make_targets(N, K, V, device, *, seed=0, masked_frac=0.1):
-    """Teacher top-K: ids per token (distinct for V <= 4096; uniform draws above, where a token
-    repeats an id with probability about K^2 / 2V, 1.6 % at the default shape), log-probs of a
-    peaked distribution, ~10 % padded slots (axolotl style: id 0, log-prob -1e9, mask 0)."""
+def make_targets(N, K, V, device, *, seed=0, masked_frac=0.1, distinct=False):
+    """Teacher top-K: ids per token (distinct for V <= 4096 or with ``distinct``, as "tail" needs;
+    otherwise uniform draws above, where a token repeats an id with probability about K^2 / 2V, 1.6 %
+    at the default shape), log-probs of a peaked distribution, ~10 % padded slots (axolotl style:
+    id 0, log-prob -1e9, mask 0)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.rand(N, V, device=device, generator=g).topk(K, dim=1).indices if V <= 4096 else \
-        torch.randint(0, V, (N, K), device=device, generator=g)
+    if V <= 4096:
+        ids = torch.rand(N, V, device=device, generator=g).topk(K, dim=1).indices
+    elif distinct:  # a random start plus gaps in [1, V // K]: K offsets in [1, V], distinct mod V; shuffled
+        gaps = torch.randint(1, V // K + 1, (N, K), device=device, generator=g)
+        ids = (torch.randint(0, V, (N, 1), device=device, generator=g) + gaps.cumsum(1)) % V
+        ids = ids.gather(1, torch.rand(N, K, device=device, generator=g).argsort(1))
+    else:
+        ids = torch.randint(0, V, (N, K), device=device, generator=g)
     lp = torch.log_softmax(torch.randn(N, K, device=device, generator=g) * 2, -1) - 0.1
     mask = torch.rand(N, K, device=device, generator=g) > masked_frac
     mask[:, 0] = True

@@ -185,12 +185,16 @@ def _kd_topk_kernel(
 @triton.jit
 def _kd_mark_slots_kernel(ids_ptr, t_ptr, m_ptr, bit_ptr, K, V, stride_bn, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
     """"tail": set token i_n's valid slot columns in its row of the zeroed bit map (``_slot_bits``), which
-    the row forward's sweep tests (a word load and a mask per 32 columns) to leave the slots out of lse_tail."""
+    the row forward's sweep tests (a word load and a mask per 32 columns) to leave the slots out of lse_tail.
+    The word after the map (at stride_bn - 32) counts the slots whose column another slot had marked
+    already: a valid id the token repeats (index checks off), which the row forward poisons."""
     i_n = tl.program_id(0).to(tl.int64)
     _, _, b_ids, _, m_valid, _ = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     b_ids = b_ids.to(tl.int32)
     b_bit = tl.full([BLOCK_K], 1, tl.int32) << (b_ids & 31)
-    tl.atomic_or(bit_ptr + i_n * stride_bn + (b_ids >> 5), b_bit, mask=m_valid, sem="relaxed")  # shared words
+    b_old = tl.atomic_or(bit_ptr + i_n * stride_bn + (b_ids >> 5), b_bit, mask=m_valid, sem="relaxed")  # shared words
+    m_rep = m_valid & ((b_old & b_bit) != 0)  # atomics on one word are ordered: one of two equal ids sees the other
+    tl.store(bit_ptr + i_n * stride_bn + stride_bn - 32, tl.sum(m_rep.to(tl.int32), 0))
 
 
 @triton.jit
@@ -225,7 +229,6 @@ def _kd_row_fwd_kernel(
     p_z = z_ptr + i_n * stride_zn
     b_lse = 0.0
     b_lse1 = 0.0
-    b_nslot = tl.zeros([BLOCK_V // 32, 32], dtype=tl.int32)  # "tail": the marked slot columns, counted
     if NORMALIZE > 0 or SEP_CE:
         # Online logsumexp, one tile max per iteration: one exp per element (two with SEP_CE and KD).
         # "tail" sums only the columns off the valid slots (lse_V comes from it and lse_K after), so
@@ -244,7 +247,6 @@ def _kd_row_fwd_kernel(
                 b_z = tl.load(p_z + o_v, mask=o_v < V, other=float("-inf")).to(ACC)  # [BLOCK_V / 32, 32]
                 b_word = tl.load(bit_ptr + i_n * stride_bn + o_w, mask=o_w * 32 < V, other=0)
                 m_slot = ((b_word[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0
-                b_nslot += m_slot.to(tl.int32)
                 b_x = tl.reshape(tl.where(m_slot, float("-inf"), b_z * inv_t), [BLOCK_V], can_reorder=True)
                 b_z = tl.reshape(b_z, [BLOCK_V], can_reorder=True)
             else:
@@ -262,10 +264,11 @@ def _kd_row_fwd_kernel(
     # the slots after the sweep: loaded before it, they cost "full" 4% on an H100
     o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     if NORMALIZE == 2:
-        # A repeated unmasked id (index checks off) marks one column for two slots: fewer marked
-        # columns than valid slots. Its K + 1 outcomes are not distinct, so the token is poisoned as
-        # for an id outside [0, V): its loss, A and valid slots' values NaN (reference._slots).
-        m_dup = tl.sum(tl.sum(b_nslot, 1), 0) < tl.sum(m_valid.to(tl.int32), 0)
+        # A repeated valid id (index checks off; _kd_mark_slots_kernel counted them): the token's K + 1
+        # outcomes are not distinct, so it is poisoned as for an id outside [0, V): its loss, A and
+        # valid slots' values NaN (reference._slots). Counting marked columns in the sweep cost the
+        # forward 42% on an H100, and a [K, K] comparison here 25%.
+        m_dup = tl.load(bit_ptr + i_n * stride_bn + stride_bn - 32) != 0
         m_bad = m_bad | (m_valid & m_dup)
     b_s = tl.load(p_z + b_ids, mask=m_valid, other=0).to(ACC) * inv_t  # [BLOCK_K]
     b_lse_r = tl.zeros([1], dtype=ACC) + b_lse
@@ -664,9 +667,10 @@ def _rows(z):
 
 def _slot_bits(n, V, normalize, device):
     """The "tail" forward's bit map of the slot columns, [n, W] int32 (None otherwise): 32 columns a word,
-    rows padded to whole 128-byte lines (about n * V / 8 bytes). _row_fwd zeroes and fills it for each
-    launch, so one map serves every chunk of rows."""
-    return torch.empty(n, cdiv(V, 1024) * 32, device=device, dtype=torch.int32) if normalize == 2 else None
+    rows padded to whole 128-byte lines (about n * V / 8 bytes), then one more line whose first word
+    counts the token's repeated ids. _row_fwd zeroes and fills it for each launch, so one map serves
+    every chunk of rows."""
+    return torch.empty(n, cdiv(V, 1024) * 32 + 32, device=device, dtype=torch.int32) if normalize == 2 else None
 
 
 def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
