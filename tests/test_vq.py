@@ -852,10 +852,40 @@ def test_nearest_code_float64_and_mixed():
     assert_search(x, c, codes, dist, tol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["argument", "torch-flag", "module"])
+def test_nearest_code_deterministic_skips_the_autotuner(monkeypatch, how):
+    """deterministic search launches the first configuration itself: the autotuner's pick is timed
+    in each process, and its configurations sum the dot products in different orders (a near-tie
+    could go either way from one run to the next). Same result as the tuned search here."""
+    from sparsefuse.vq import kernels
+
+    x, _, c, *_ = make(19, 7, 6)
+    want = nearest_code(x, c)
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("the autotuner ran in deterministic mode")
+
+    monkeypatch.setattr(kernels, "launch_tuned", no_tuning)
+    if how == "argument":
+        got = nearest_code(x, c, deterministic=True)
+    elif how == "torch-flag":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        got = nearest_code(x, c)
+    else:
+        m = VectorQuantizer(6, 7, deterministic=True).to(DEVICE).eval()
+        m.codebook.copy_(c)
+        got = nearest_code(x, c, deterministic=True)
+        assert torch.equal(m(x)[1], got[0])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(AssertionError, match="the autotuner ran"):
+        nearest_code(x, c, deterministic=False)
+
+
 def test_nearest_code_opcheck():
     x, _, c, *_ = make(19, 7, 6)
     for cosine in (False, True):
-        torch.library.opcheck(torch.ops.sparsefuse.nearest_code.default, (x, c, cosine, "exact"))
+        for deterministic in (False, True):
+            torch.library.opcheck(torch.ops.sparsefuse.nearest_code.default, (x, c, cosine, "exact", deterministic))
 
 
 def test_nearest_code_bad_inputs():
@@ -930,7 +960,7 @@ def test_nearest_code_gradient_registration_and_compile(cosine):
     cannot run on this op: the compiled gradient is compared directly instead)."""
     x, _, c, *_ = make(19, 7, 6)
     torch.library.opcheck(torch.ops.sparsefuse.nearest_code.default,
-                          (x.clone().requires_grad_(), c.clone().requires_grad_(), cosine, "exact"),
+                          (x.clone().requires_grad_(), c.clone().requires_grad_(), cosine, "exact", False),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert_compile_parity(lambda xx, cc: nearest_code(xx, cc, cosine=cosine)[1].square().sum(), (x, c), atol=1e-6)
 

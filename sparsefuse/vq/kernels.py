@@ -723,8 +723,10 @@ _nearest_code_fma = triton.autotune(configs=_search_configs(False), key=_KEY)(_n
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def nearest_code(x, codebook, cosine, precision):
-    """(codes [B] int64, dist [B] fp32). ``precision``: "exact" (3xTF32) | "ieee" | "fast" (TF32)."""
+def nearest_code(x, codebook, cosine, precision, deterministic=False):
+    """(codes [B] int64, dist [B] fp32). ``precision``: "exact" (3xTF32) | "ieee" | "fast" (TF32).
+    ``deterministic``: the first of the autotuner's configurations, always (its pick may differ from
+    process to process, and with it the order of the dot products' sums)."""
     B, D = x.shape
     K = codebook.shape[0]
     dev = x.device
@@ -744,10 +746,15 @@ def nearest_code(x, codebook, cosine, precision):
         prec = None  # 16-bit dots: products are exact in fp32 and sums are fp32
     kernel = _nearest_code_fma if prec == "ieee" else _nearest_code_tc
     off64 = K * codebook.stride(0) >= _OFF64_FROM
-    launch_tuned(kernel, lambda meta: (cdiv(B, meta["BLOCK_B"]),),
-                 (x, codebook, cc, codes, dist, B, K, D, x.stride(0), codebook.stride(0)),
-                 dict(COSINE=bool(cosine), PRECISION=prec, OFF64=off64, DOT_DTYPE=_DOT_DTYPES[dot_dtype]),
-                 (kernel, K, D, bool(cosine), prec, off64, x.dtype, codebook.dtype, x.device))
+    args = (x, codebook, cc, codes, dist, B, K, D, x.stride(0), codebook.stride(0))
+    meta = dict(COSINE=bool(cosine), PRECISION=prec, OFF64=off64, DOT_DTYPE=_DOT_DTYPES[dot_dtype])
+    if deterministic:
+        cfg = kernel.configs[0]
+        launch(kernel.fn, (cdiv(B, cfg.kwargs["BLOCK_B"]),), args, {**meta, **cfg.kwargs}, cfg.num_warps,
+               cfg.num_stages)
+    else:
+        launch_tuned(kernel, lambda meta: (cdiv(B, meta["BLOCK_B"]),), args, meta,
+                     (kernel, K, D, bool(cosine), prec, off64, x.dtype, codebook.dtype, x.device))
     return codes, dist
 
 

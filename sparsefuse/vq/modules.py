@@ -45,7 +45,7 @@ def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: s
                              "(its rows seed every rank); every rank raises")
     n = torch.zeros(num_codes, device=x.device)
     for _ in range(iters):
-        codes, _ = nearest_code(x, c, cosine=cosine, precision=precision)
+        codes, _ = nearest_code(x, c, cosine=cosine, precision=precision, deterministic=deterministic)
         n, s = batch_statistics(x, codes, num_codes, process_group, deterministic=deterministic)
         c = torch.where(n[:, None] > 0, s / n.clamp_min(1)[:, None], c)
     return c, n
@@ -86,7 +86,8 @@ class VectorQuantizer(nn.Module):
             ``torch.compile(fullgraph=True)``; see :func:`sparsefuse.vq_ema_update`). Its state is
             not part of ``state_dict``: to restart from the same rows after resuming, save
             ``generator.get_state()`` with the checkpoint and ``set_state`` it back.
-        deterministic: passed to :func:`sparsefuse.vq_ema_update` and to the k-means statistics.
+        deterministic: passed to :func:`sparsefuse.vq_ema_update`, :func:`sparsefuse.nearest_code` and
+            the k-means statistics.
 
     Buffers (all in ``state_dict``): ``codebook [K, D]``, ``cluster_size [K]``, ``embed_sum [K, D]``,
     ``steps_since_active [K]`` int64, ``initted`` bool. The float buffers stay float32 under
@@ -157,7 +158,8 @@ class VectorQuantizer(nn.Module):
         flat = _flatten(self, x)
         if self.training and not self._initted:
             self.kmeans_init_(flat)
-        codes, _ = nearest_code(flat.detach(), self.codebook, cosine=self.cosine, precision=self.precision)
+        codes, _ = nearest_code(flat.detach(), self.codebook, cosine=self.cosine, precision=self.precision,
+                                deterministic=self.deterministic)
         out, loss = quantize(flat, codes, self.codebook, self.commitment_weight)
         if self.training:
             vq_ema_update(flat.detach(), codes, self.codebook, self.cluster_size, self.embed_sum,
@@ -188,7 +190,8 @@ class ResidualVQ(VectorQuantizer):
                            generator=self.generator, process_group=self.process_group,
                            deterministic=self.deterministic)
             self._set_state(c, n, level)
-            codes, _ = nearest_code(r, c, cosine=self.cosine, precision=self.precision)
+            codes, _ = nearest_code(r, c, cosine=self.cosine, precision=self.precision,
+                                    deterministic=self.deterministic)
             r = r - c[codes]
         self.initted.fill_(True)
         self._initted = True
@@ -201,7 +204,8 @@ class ResidualVQ(VectorQuantizer):
         inputs, all_codes, total = [], [], torch.zeros_like(resid)
         loss = flat.new_zeros((), dtype=torch.float32)
         for level in range(self.num_levels):
-            codes, _ = nearest_code(resid, self.codebook[level], cosine=self.cosine, precision=self.precision)
+            codes, _ = nearest_code(resid, self.codebook[level], cosine=self.cosine, precision=self.precision,
+                                    deterministic=self.deterministic)
             # r_l = x - sg(q_0 + ... + q_{l-1}): the loss mean((r_l - q_l)^2) pulls x towards each partial
             # reconstruction. Through quantize, whose op saves what its backward needs: built from
             # the codebook buffer, torch.compile's partitioner recomputed r_l - q_l in the backward

@@ -345,23 +345,23 @@ def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=Non
 # --- nearest-code search --------------------------------------------------------------------------------
 
 
-def _search_fake(x, codebook, cosine, precision):
+def _search_fake(x, codebook, cosine, precision, deterministic):
     acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
     return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=acc)
 
 
-def _search_reference(x, codebook, cosine, precision):
+def _search_reference(x, codebook, cosine, precision, deterministic):
     return reference.nearest_code(x, codebook, cosine)
 
 
-def _search_kernel(x, codebook, cosine, precision):
+def _search_kernel(x, codebook, cosine, precision, deterministic):
     if torch.float64 in (x.dtype, codebook.dtype):
         return reference.nearest_code(x, codebook, cosine)
-    return kernels.nearest_code(x, codebook, cosine, precision)
+    return kernels.nearest_code(x, codebook, cosine, precision, deterministic)
 
 
 def _search_setup(ctx, inputs, output):
-    x, codebook, cosine, _precision = inputs
+    x, codebook, cosine, _precision, _deterministic = inputs
     codes, _dist = output
     ctx.mark_non_differentiable(codes)
     ctx.set_materialize_grads(False)
@@ -379,7 +379,7 @@ def _search_backward(ctx, _grad_codes, grad_dist):
     x, codebook, codes = ctx.saved_tensors
     need_x, need_c = ctx.needs_input_grad[:2]
     if grad_dist is None:
-        return None, None, None, None
+        return None, None, None, None, None
     dt = grad_dist.dtype
     xf, c = x.to(dt), codebook[codes].to(dt)
     g = grad_dist[:, None]
@@ -398,16 +398,17 @@ def _search_backward(ctx, _grad_codes, grad_dist):
     grad_c = None
     if need_c:
         grad_c = torch.zeros(codebook.shape, device=gc.device, dtype=dt).index_add_(0, codes, gc).to(codebook.dtype)
-    return grad_x, grad_c, None, None
+    return grad_x, grad_c, None, None, None
 
 
 @register_op("nearest_code", fake=_search_fake, reference=_search_reference, backward=_search_backward,
              setup_context=_search_setup)
-def _search_op(x: Tensor, codebook: Tensor, cosine: bool, precision: str) -> tuple[Tensor, Tensor]:
-    return _search_kernel(x, codebook, cosine, precision)
+def _search_op(x: Tensor, codebook: Tensor, cosine: bool, precision: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    return _search_kernel(x, codebook, cosine, precision, deterministic)
 
 
-def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision: str = "exact") -> tuple[Tensor, Tensor]:
+def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision: str = "exact",
+                 deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """Nearest code of every row, fused distance + argmin: the B x K distance matrix never exists.
 
     Args:
@@ -421,6 +422,11 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
             product: about 3 significant digits). 16-bit inputs always use their native tensor-core
             dot, whose products are exact in fp32 and sums fp32; mixed dtypes compute in the promoted
             dtype; float64 runs the reference.
+        deterministic: search with one fixed kernel configuration instead of the autotuner's pick, so
+            that results repeat bit for bit across processes too (within a process they always do).
+            The autotuner times its configurations in each process, and they sum the dot products
+            in different orders, which can flip a near-tie between two codes. Default
+            ``torch.are_deterministic_algorithms_enabled()``.
 
     Returns:
         ``codes [B]`` int64, ties to the lowest index; ``dist [B]`` float32 (float64 for float64
@@ -451,7 +457,8 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
         raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return _search_op(x, codebook, bool(cosine), precision)
+    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    return _search_op(x, codebook, bool(cosine), precision, det)
 
 
 # --- straight-through quantisation + commitment loss ---------------------------------------------------------
