@@ -917,7 +917,8 @@ def test_tail_repeated_id_without_checks_poisons_the_token(T):
     rest = [0, 1, 2, 4]
     assert torch.isfinite(g[rest]).all()
     assert torch.equal(tok[rest], clean[rest])
-    assert torch.isnan(hidden[0][1][3]) and torch.isnan(hidden[0][2][3]).all() and torch.isfinite(hidden[0][2][rest]).all()
+    tok_h, grad_h = hidden[0][1], hidden[0][2]
+    assert torch.isnan(tok_h[3]) and torch.isnan(grad_h[3]).all() and torch.isfinite(grad_h[rest]).all()
     for a, b in zip(logits[0] + hidden[0], logits[1] + hidden[1]):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
 

@@ -328,8 +328,8 @@ def _kd_row_bwd_kernel(
 ):
     """dL/dz for columns [v_lo, v_hi) of row i_n: dense c_kd*T*A*q_j (+ c_ce*softmax(z)_j), then the
     slot and label columns. Those few values are read before the dense sweep (which may overwrite z
-    in place), with a barrier between, and stored after another; slots sharing a column carry the same total, so
-    duplicate stores agree. "topk" and "full" slots add their corrections to the dense term;
+    in place), with a barrier between, and stored after another; slots sharing a column carry the
+    same total, so duplicate stores agree. "topk" and "full" slots add their corrections to the dense term;
     "tail" slots carry their whole value (A there is the coefficient of the columns off the slots)."""
     i_n = tl.program_id(0).to(tl.int64)
     v_lo = tl.program_id(1).to(tl.int64) * v_per_prog

@@ -19,8 +19,8 @@ log-prob, so a padding log-prob of -1e9 or -inf does not remove it there (it doe
 where p = 0 makes the slot contribute nothing). The unmasked ids of a token should be distinct, as
 a teacher's top-K ids are: ``"tail"`` requires it (its K slots and the tail must be K + 1 distinct
 outcomes): with index checks on (see ``set_index_checks``) a repeated id raises ``ValueError``;
-unchecked, it poisons the token as an id outside ``[0, V)`` does (below); under ``"full"`` repeated slots act as one slot with the summed probability (same
-gradient, the loss differs by a constant); under ``"topk"`` each slot is one outcome of the
+unchecked, it poisons the token as an id outside ``[0, V)`` does (below). Under ``"full"`` repeated
+slots act as one slot with the summed probability (same gradient, the loss differs by a constant); under ``"topk"`` each slot is one outcome of the
 renormalised distribution, so a repeated id is counted twice in it. The teacher is fixed:
 ``target_logprobs`` that requires grad (with grad mode on) raises ``ValueError``; pass
 ``target_logprobs.detach()``. With index checks off, an unmasked id outside ``[0, V)`` makes its

@@ -724,8 +724,8 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     if need_shift and not need_x:  # in the weight's dtype, or float64 (a float64 copy of the weight) when asked
         mv_dtype = acc if acc == torch.float64 else weight.dtype
         if mv_dtype == torch.float16:
-            # float16's range: the per-feature sums can pass 65504 (or underflow) where the gradient
-            # fits, so they enter the product scaled to a largest magnitude of 1 (no host sync)
+            # float16's range: the per-feature sums can pass 65504 where the gradient fits, so they
+            # enter the product scaled to a largest magnitude of 1 (no host sync)
             top = sums.abs().amax()
             top = torch.where(top > 0, top, torch.ones_like(top))
             grad_shift = torch.mv(weight.t(), (sums / top).to(mv_dtype)).to(acc).mul_(top).neg_()
