@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import sparsefuse
+
 from helpers import DEVICE, TOL, assert_close
 from sparsefuse.sae.modules import TopKSAE
 
@@ -154,6 +156,36 @@ def test_fvu_curve_rejects_budgets_outside_1_to_k(ks):
     m, x = _model(False), _x(rows=8)
     with pytest.raises(ValueError, match=r"ks must hold integers in \[1, k\] = \[1, 5\]"):
         m.fvu_curve(x, ks=ks)
+
+
+def test_forward_and_helpers_refuse_bad_input():
+    """A variance <= 0 made the loss negative (training would maximise the error) or inf, a [D]
+    variance a [D]-shaped "loss"; fvu_curve(batch_size=-1) reported every FVU as 0 (perfect); the
+    reference decoder wrapped index -1 onto the last row while the fused one raised; a wrong-width
+    or integer x failed deep inside with messages that did not name it."""
+    m, x = _model(False), _x(rows=8)
+    for bad in (-1.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match=f"variance must be a positive finite number, got {bad}"):
+            m(x, variance=bad)
+    with pytest.raises(ValueError, match=rf"variance must be a number or a 0-dim tensor, got shape \({D},\)"):
+        m(x, variance=torch.ones(D, device=DEVICE))
+    torch.testing.assert_close(m(x, variance=2.0).loss, m(x, variance=torch.tensor(2.0, device=DEVICE)).loss)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"batch_size must be an int >= 1, got {bad}"):
+            m.fvu_curve(x, batch_size=bad)
+    idx, vals = m.encode(x)
+    idx[0, 0] = -1
+    sparsefuse.set_index_checks(True)  # on a GPU the range check is opt-in
+    try:
+        for decoder in ("fused", "reference"):
+            with pytest.raises(IndexError, match=rf"indices holds -1, outside \[0, {F}\)"):
+                _model(False, decoder).decode(idx, vals)
+    finally:
+        sparsefuse.set_index_checks(None)
+    for bad, msg in ((x[:, :-1], rf"x has shape \(8, {D - 1}\); expected \[\*, {D}\]"),
+                     (x[None], "x must have 2 dimensions"), (x.long(), "x has dtype int64")):
+        with pytest.raises((ValueError, TypeError), match=msg):
+            m(bad)
 
 
 @pytest.mark.parametrize("kw, msg", [

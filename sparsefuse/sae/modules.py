@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._validate import FLOAT_DTYPES, check_index_range, check_number, check_tensor
 from . import reference
 from .ops import (hierarchical_sae_loss, normalize_rows_, remove_parallel_component_, sae_decode, sparse_linear,
                   topk_sae_loss)
@@ -73,7 +74,7 @@ class TopKSAE(nn.Module):
             trainer calls both around each optimiser step.
         auxk_alpha: weight of the AuxK loss (0 turns it off). Default 1/32 (Gao et al.).
         k_aux: latents used by AuxK; default ``min(d_model // 2, n_latents)``.
-        dead_tokens: a latent is dead once it has not fired for this many training tokens.
+        dead_tokens: a latent is dead once it has not fired for more than this many training tokens.
         decoder: ``"fused"`` (the sparsefuse ops) or ``"reference"`` (the plain PyTorch math of
             :mod:`sparsefuse.sae.reference`, for comparisons and benchmarks).
         encoder: how the encoder's gradient is computed in :meth:`forward`. ``"sparse"``: the
@@ -151,7 +152,9 @@ class TopKSAE(nn.Module):
 
     def decode(self, indices: Tensor, vals: Tensor) -> Tensor:
         """``b_dec + sum_k vals[:, k] * W_dec[indices[:, k]]`` through :func:`sparsefuse.sae_decode`, ``[B, D]``."""
-        if self.decoder == "reference":
+        if self.decoder == "reference":  # range-checked as the fused op is (plain indexing would wrap -1)
+            if not torch.compiler.is_compiling():  # the check reads the data: not inside a graph
+                check_index_range("indices", indices, self.n_latents)
             return reference.sae_decode(indices, vals, self.W_dec, self.b_dec)
         return sae_decode(indices, vals, self.W_dec, self.b_dec)
 
@@ -168,10 +171,17 @@ class TopKSAE(nn.Module):
             x: ``[B, D]`` activations (any float dtype; the encoder runs in the parameters' dtype, or
                 in autocast's; the loss targets ``x`` as given).
             variance: the mean squared deviation of the data per element, that the reconstruction
-                loss is divided by. Default: that of this batch (detached). The trainer passes the
+                loss is divided by: a finite number > 0, or a 0-dim tensor (not checked: reading it
+                would be a host sync). Default: that of this batch (detached). The trainer passes the
                 variance of the whole data set, which keeps the loss linear in the rows of a batch
                 (so data-parallel training matches one process exactly).
         """
+        check_tensor("x", x, shape=(None, self.d_model), dtypes=FLOAT_DTYPES, device=self.W_enc.device)
+        if isinstance(variance, Tensor):
+            if variance.dim() != 0:
+                raise ValueError(f"variance must be a number or a 0-dim tensor, got shape {tuple(variance.shape)}")
+        elif variance is not None:
+            check_number("variance", variance, positive=True)
         topk_loss, hier_loss = DECODERS[self.decoder]
         xe = x.to(self.W_enc.dtype)  # the encoder's input, in its parameters' dtype (x stays the target)
         shift = self.b_dec.to(xe.dtype)  # the pre-encoder bias
@@ -258,6 +268,8 @@ class TopKSAE(nn.Module):
         1, 2, 4, ... up to K (K included). Returns ``{k': fvu}``, NaN for every k' when the rows of
         ``x`` have no variance (a single row, or all rows equal): FVU is undefined there.
         """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         ks = powers_of_two_upto(self.k) if ks is None else list(ks)
         bad = [kp for kp in ks if not isinstance(kp, int) or isinstance(kp, bool) or not 1 <= kp <= self.k]
         if bad:

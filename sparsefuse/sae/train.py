@@ -232,6 +232,8 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"k={cfg.k} is larger than n_latents={cfg.n_latents}")
     if cfg.steps < 1 or cfg.batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1, got steps={cfg.steps}, batch_size={cfg.batch_size}")
+    if cfg.log_every < 1:
+        raise ValueError(f"log_every must be >= 1, got {cfg.log_every}")
     if cfg.eval_rows < 2:
         raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
     if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):  # Adam accepts inf
