@@ -8,10 +8,20 @@ from ._validate import index_checks_enabled, set_index_checks
 from .kd import TopKKDLoss, topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
 from .sae import hierarchical_sae_loss, sae_decode, sparse_linear, topk_sae_loss
 from .sae.modules import TopKSAE
-from .sae.train import TrainConfig, train_sae
 from .vq import ResidualVQ, VectorQuantizer, nearest_code, vq_ema_update
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # the trainer is imported on first use: imported here, `python -m sparsefuse.sae.train` would
+    # find it already in sys.modules and run its module twice (with a RuntimeWarning)
+    if name in ("TrainConfig", "train_sae"):
+        from .sae import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "sae_decode",

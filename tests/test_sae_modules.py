@@ -82,6 +82,28 @@ def test_unit_norm_invariant_after_steps(hierarchical):
         assert torch.allclose(norms, torch.ones_like(norms), atol=1e-6), f"step {step}: row norms {norms}"
 
 
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_auxk_false_skips_only_what_is_zero(encoder):
+    """forward(auxk=False), for a caller that knows no latent is dead: the same loss and the same
+    gradients as computing AuxK's exact zero (bit for bit on the CPU; on CUDA the weight gradients'
+    atomics sum in no fixed order, run to run); with a dead latent it does drop AuxK."""
+    m, x = _model(True, encoder=encoder, auxk_alpha=0.5, dead_tokens=100), _x()
+    results = []
+    for auxk in (True, False):
+        out = m(x, auxk=auxk)
+        grads = torch.autograd.grad(out.loss, list(m.parameters()))
+        results.append((out.loss.detach(), out.auxk_loss.detach(), grads))
+    (l1, a1, g1), (l2, a2, g2) = results
+    assert float(a1) == float(a2) == 0.0 and torch.equal(l1, l2)
+    for (name, _), a, b in zip(m.named_parameters(), g1, g2):
+        if DEVICE == "cpu":
+            assert torch.equal(a, b), name
+        else:
+            assert_close(b, a, torch.float64, name)
+    m.tokens_since_fired[3] = 1000
+    assert m(x).auxk_loss > 0 and float(m(x, auxk=False).auxk_loss) == 0.0
+
+
 def test_auxk_uses_only_dead_latents():
     m = _model(False, auxk_alpha=1.0, dead_tokens=100)
     x = _x()

@@ -234,10 +234,10 @@ def test_trainer_setup_follows_the_config(monkeypatch, lr):
         opt.step = lambda: (events.append("step"), step())[1]
         return opt
 
-    def forward(self, x, variance=None):
+    def forward(self, x, variance=None, **kw):
         seen.setdefault("b_dec", self.b_dec.detach().clone())
         seen.setdefault("variance", variance)
-        return real_forward(self, x, variance)
+        return real_forward(self, x, variance, **kw)
 
     events = []
     for name in ("remove_parallel_grad_", "normalize_decoder_"):
@@ -283,13 +283,14 @@ def _record_calls(monkeypatch):
     """Record what the trainer passes to TopKSAE.forward and TopKSAE.fvu_curve (while ``rec["on"]``)."""
     from sparsefuse.sae import modules
 
-    rec = {"on": True, "forward": [], "fvu_x": []}
+    rec = {"on": True, "forward": [], "fvu_x": [], "auxk": []}
     real_forward, real_fvu = modules.TopKSAE.forward, modules.TopKSAE.fvu_curve
 
-    def forward(self, x, variance=None):
-        out = real_forward(self, x, variance)
+    def forward(self, x, variance=None, *, auxk=True):
+        out = real_forward(self, x, variance, auxk=auxk)
         if rec["on"]:
-            rec["forward"].append((x.detach().clone(), variance, float(out.recon_loss)))
+            rec["forward"].append((x.detach().clone(), variance, float(out.recon_loss.detach())))
+            rec["auxk"].append((auxk, bool(self.dead_mask().any())))
         return out
 
     def fvu_curve(self, x, *a, **kw):
@@ -335,6 +336,9 @@ def test_trainer_steps_equal_a_hand_written_loop(monkeypatch):
             history["loss"].append(float(out.recon_loss))
             history["dead_frac"].append(float(model.dead_mask().float().mean()))
     assert auxk_seen, "the test should exercise AuxK"
+    # AuxK was computed at every step with a dead latent, and skipped at some without (the first:
+    # its clock cannot have passed dead_tokens = 16 after one batch of 16)
+    assert all(on for on, dead in rec["auxk"] if dead) and rec["auxk"][0] == (False, False)
     assert run.history["step"] == [2, 4, 5]
     assert run.history["loss"] == pytest.approx(history["loss"], rel=1e-5)
     assert run.history["loss"] == pytest.approx([rec["forward"][s - 1][2] for s in (2, 4, 5)], rel=1e-6)
@@ -412,3 +416,178 @@ def test_synthetic_noise_is_relative_to_the_signal():
     signal_std = float(clean.std(0).mean())
     assert signal_std > 2  # far from 1, so an absolute noise std would show
     assert float((noisy - clean).std()) == pytest.approx(0.1 * signal_std, rel=0.05)
+
+
+# --- review of session 28: unreadable files, devices, the data statistics, the batches ---
+
+
+def _unreadable(tmp_path, case):
+    """A file of each kind that its reader fails on, and the reader's own words in the message."""
+    if case == "truncated-pt":
+        path = tmp_path / "a.pt"
+        torch.save(torch.ones(20, 4), path)
+        path.write_bytes(path.read_bytes()[:100])
+    elif case == "text-as-pt":
+        path = tmp_path / "a.pt"
+        path.write_text("not a checkpoint")
+    elif case == "garbage-safetensors":
+        path = tmp_path / "a.safetensors"
+        path.write_bytes(b"\x00" * 40)
+    elif case == "empty-npy":
+        path = tmp_path / "a.npy"
+        path.write_bytes(b"")
+    elif case == "string-npy":
+        path = tmp_path / "a.npy"
+        np.save(path, np.array([["a", "b"], ["c", "d"]]))
+    else:  # a folder with the right extension
+        path = tmp_path / "a.npy"
+        path.mkdir()
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["truncated-pt", "text-as-pt", "garbage-safetensors", "empty-npy", "string-npy",
+                                  "directory"])
+def test_unreadable_files_get_one_line_naming_the_file(tmp_path, capsys, case):
+    """Each reader raised its own exception type (UnpicklingError, SafetensorError, EOFError,
+    TypeError, IsADirectoryError, ...), which the CLI printed as a traceback without the path."""
+    path = _unreadable(tmp_path, case)
+    with pytest.raises(ValueError, match=f"^{__import__('re').escape(path)}: cannot be read as a "):
+        load_activations(path)
+    assert cli(["train-sae", "--quiet", "--out", str(tmp_path / "o"), "--steps", "2", "--data", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sparsefuse train-sae: error: {path}: cannot be read as a ") and err.count("\n") == 1
+
+
+def test_big_endian_and_unsigned_files(tmp_path):
+    """A big-endian .npy was refused by torch.from_numpy; it is read as its values. uint8 is named
+    as what it is not (floating point or signed integers)."""
+    x = np.arange(40, dtype=np.float64).reshape(10, 4)
+    path = str(tmp_path / "be.npy")
+    np.save(path, x.astype(">f8"))
+    assert torch.equal(load_activations(path), torch.from_numpy(x).float())
+    np.save(path, x.astype(np.uint8))
+    with pytest.raises(ValueError, match="must be floating point or signed integers, got dtype torch.uint8"):
+        load_activations(path)
+
+
+@pytest.mark.parametrize("device, msg", [
+    ("gpu", r"unknown device 'gpu'; use auto, cpu, cuda or cuda:N"),
+    ("meta", r"unknown device 'meta'; use auto, cpu, cuda or cuda:N"),
+    ("cuda:99", "CUDA is not available on this machine" if not torch.cuda.is_available()
+     else r"device 'cuda:99': this machine has \d+ CUDA device\(s\)"),
+])
+def test_bad_device_is_named_before_the_data_is_read(tmp_path, capsys, device, msg):
+    """A device this machine lacks gave a RuntimeError or AssertionError traceback, after the
+    whole activations file had been read; the file here does not exist, so the device must be
+    refused first."""
+    args = ["train-sae", "--quiet", "--out", str(tmp_path / "o"), "--device", device,
+            "--data", str(tmp_path / "missing.npy")]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert __import__("re").search(msg, err) and "missing.npy" not in err, err
+
+
+def test_torchrun_refuses_one_explicit_gpu_for_every_process(monkeypatch):
+    """Under torchrun, --device cuda:1 put every process on that one GPU over gloo, silently."""
+    import torch.distributed as dist
+
+    from sparsefuse.sae import train as train_mod
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("started a process group"))
+    with pytest.raises(ValueError, match=r"device='cuda:1' under torchrun \(4 processes\): use auto, cuda or cpu"):
+        train_mod._init_distributed("cuda:1")
+
+
+def test_data_statistics_in_chunks_equal_float64():
+    """b_dec's start and the loss's variance come from chunks of rows summed in float64 (a float64
+    copy of the whole set took 4x its memory at peak); they equal the whole-set float64 values,
+    with rows that do not fill the last chunk."""
+    from sparsefuse.sae import train as train_mod
+
+    g = torch.Generator().manual_seed(3)
+    for n, d in ((7, 1 << 21), (300, 5)):  # 2 rows a chunk (3.5 chunks); then one chunk
+        x = (torch.randn(n, d, generator=g) * 3 + torch.arange(d) / d).float()
+        mean, var = train_mod._data_stats(x)
+        x64 = x.double()
+        torch.testing.assert_close(mean, x64.mean(0).float(), rtol=1.2e-7, atol=0)
+        assert var == pytest.approx(float((x64 - x64.mean(0)).square().mean()), rel=1e-12)
+
+
+def _batches_agree(train, order, device, on_device, local, stall=False):
+    """Every batch of two epochs equals the rows asked for. ``stall``: the copy stream first sleeps
+    (~50 ms), so the host queues all its gathers before any copy runs: a pinned buffer refilled
+    before its copy has read it would show."""
+    from sparsefuse.sae.train import _Batches
+
+    batches = _Batches(train, local, torch.device(device), on_device)
+    if stall:
+        with torch.cuda.stream(batches.stream):
+            torch.cuda._sleep(100_000_000)
+    got = []
+    for epoch in range(2):
+        batches.new_epoch(order.roll(epoch))
+        for start in range(0, order.numel() - local + 1, local):
+            got.append((batches.take(start, start + local), train[order.roll(epoch)[start:start + local]]))
+    for xb, want in got:
+        assert xb.device.type == torch.device(device).type and torch.equal(xb.cpu(), want)
+    return batches
+
+
+def test_batches_on_cpu_are_rows_of_the_set():
+    train = torch.randn(40, 3)
+    _batches_agree(train, torch.randperm(40, generator=torch.Generator().manual_seed(0)), "cpu", None, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [None, True, False])
+def test_batches_on_cuda_resident_or_streamed_from_pinned_buffers(on_device):
+    """On the GPU the set is held there (auto picks that for a small set) or streamed through two
+    pinned buffers on a side stream: every batch must be the rows asked for, also after the
+    buffers have been reused many times with the host ahead of the GPU."""
+    train = torch.randn(4096, 257)
+    order = torch.randperm(4096, generator=torch.Generator().manual_seed(1))
+    b = _batches_agree(train, order, "cuda", on_device, 512, stall=on_device is False)
+    assert (b.stream is None) == (on_device is not False) and b.src.is_cuda == (on_device is not False)
+
+
+@pytest.mark.gpu
+def test_trainer_streamed_batches_match_resident_ones(tmp_path):
+    """A whole CUDA run with the data streamed from pinned host memory trains the same SAE as one
+    with the data on the GPU (fp32 atomics: to rounding)."""
+    from sparsefuse.sae.train import config_from_args, add_arguments
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    states = {}
+    for flag in ("yes", "no"):
+        cfg = config_from_args(p.parse_args(TINY + ["--device", "cuda", "--data-on-device", flag]))
+        assert cfg.data_on_device is (flag == "yes")
+        cfg.out = None
+        states[flag] = train_sae(cfg, log=lambda *_: None)["hierarchical"].model.state_dict()
+    for name, want in states["yes"].items():
+        got = states["no"][name]
+        if want.dtype.is_floating_point:
+            assert float((got - want).norm() / want.norm().clamp_min(1e-30)) < 1e-5, name
+        else:
+            assert torch.equal(got, want), name
+
+
+def test_trainer_skips_auxk_only_while_no_latent_can_be_dead(monkeypatch):
+    """The host-side bound on the dead-latent clock: with dead_tokens far beyond the run, AuxK is
+    never computed; with latents dying before the first logging step, it is computed at every
+    step that has a dead latent (the bound grows by each batch); where every latent keeps firing,
+    the bound tightened at a logging step lets later steps skip it again. (The run equals a plain
+    loop that always computes AuxK: test_trainer_steps_equal_a_hand_written_loop.)"""
+    rec = _record_calls(monkeypatch)
+    train_sae(TrainConfig(**dict(REPLAY_CFG, dead_tokens=10**9)), log=lambda *_: None)
+    assert rec["auxk"] == [(False, False)] * 5
+    rec["auxk"].clear()
+    train_sae(TrainConfig(**dict(REPLAY_CFG, steps=8, log_every=100)), log=lambda *_: None)
+    assert sum(dead for _, dead in rec["auxk"]) >= 3, "the test should see dead latents"
+    assert all(on for on, dead in rec["auxk"] if dead) and rec["auxk"][:2] == [(False, False)] * 2
+    rec["auxk"].clear()  # 8 latents, 4 active of 16 rows: all fire; without the tightening, step 4 on needs AuxK
+    train_sae(TrainConfig(**dict(REPLAY_CFG, n_latents=8, k=4, steps=9, dead_tokens=40, log_every=3)),
+              log=lambda *_: None)
+    assert rec["auxk"] == [(False, False)] * 9

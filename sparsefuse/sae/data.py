@@ -13,7 +13,8 @@ Synthetic set (:func:`synthetic_activations`), seeded and generated on the fly, 
   per-element standard deviation of the signal.
 
 Files (:func:`load_activations`): ``.npy``, ``.pt`` / ``.pth`` (a tensor, or a dict holding one) or
-``.safetensors`` (key ``activations``, or its only tensor), of shape ``[N, D]``, finite, float.
+``.safetensors`` (key ``activations``, or its only tensor), of shape ``[N, D]``, finite, float or
+signed integer (read as float32).
 """
 
 from __future__ import annotations
@@ -76,26 +77,44 @@ def synthetic_activations(
 def load_activations(path: str) -> Tensor:
     """Read ``[N, D]`` activations from ``.npy``, ``.pt``/``.pth`` or ``.safetensors``, as float32.
 
-    Raises ``FileNotFoundError`` or ``ValueError`` with a message naming the problem (unknown
-    extension, not a 2-D float array, empty, or non-finite values).
+    Raises ``FileNotFoundError`` or ``ValueError`` with a message naming the file and the problem
+    (unknown extension, a file its reader cannot read, not a 2-D array of floats or signed
+    integers, empty, or non-finite values).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"activations file not found: {path}")
     ext = os.path.splitext(path)[1].lower()
+    if ext not in (".npy", ".pt", ".pth", ".safetensors"):
+        raise ValueError(f"{path}: unknown activations format {ext!r}; use .npy, .pt or .safetensors")
+    try:
+        obj = _read(path, ext)
+    except Exception as e:  # truncated, corrupt or another kind of file: each reader raises its own type
+        raise ValueError(f"{path}: cannot be read as a {ext} file ({_reason(e)})") from e
+    return check_activations(_single_tensor(obj, path), path)
+
+
+def _reason(e: Exception) -> str:
+    """A reader's exception on one line: torch.load's weights-only refusal puts its reason after a
+    paragraph of advice that does not apply to an activations file."""
+    text = " ".join(str(e).split())
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split(" Check the documentation", 1)[0].strip()
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def _read(path: str, ext: str):
     if ext == ".npy":
         import numpy as np
 
-        x = torch.from_numpy(np.load(path, allow_pickle=False))
-    elif ext in (".pt", ".pth"):
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        x = _single_tensor(obj, path)
-    elif ext == ".safetensors":
-        from safetensors.torch import load_file
+        arr = np.load(path, allow_pickle=False)
+        if arr.dtype.kind in "fiu" and not arr.dtype.isnative:  # torch reads only the machine's byte order
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        return torch.from_numpy(arr)
+    if ext in (".pt", ".pth"):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    from safetensors.torch import load_file
 
-        x = _single_tensor(load_file(path), path)
-    else:
-        raise ValueError(f"{path}: unknown activations format {ext!r}; use .npy, .pt or .safetensors")
-    return check_activations(x, path)
+    return load_file(path)
 
 
 def _single_tensor(obj, path: str) -> Tensor:
@@ -118,7 +137,7 @@ def check_activations(x: Tensor, name: str = "activations", d_model: Optional[in
     if x.dim() != 2:
         raise ValueError(f"{name}: activations must have shape [N, D], got shape {tuple(x.shape)}")
     if not (x.dtype.is_floating_point or x.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
-        raise ValueError(f"{name}: activations must be numbers, got dtype {x.dtype}")
+        raise ValueError(f"{name}: activations must be floating point or signed integers, got dtype {x.dtype}")
     if x.shape[0] < 1 or x.shape[1] < 1:
         raise ValueError(f"{name}: activations are empty (shape {tuple(x.shape)})")
     if d_model is not None and x.shape[1] != d_model:

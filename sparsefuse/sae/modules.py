@@ -73,7 +73,7 @@ class TopKSAE(nn.Module):
             drop the gradient component parallel to each row (:meth:`remove_parallel_grad_`); the
             trainer calls both around each optimiser step.
         auxk_alpha: weight of the AuxK loss (0 turns it off). Default 1/32 (Gao et al.).
-        k_aux: latents used by AuxK; default ``min(d_model // 2, n_latents)``.
+        k_aux: latents used by AuxK; default ``max(1, min(d_model // 2, n_latents))``.
         dead_tokens: a latent is dead once it has not fired for more than this many training tokens.
         decoder: ``"fused"`` (the sparsefuse ops) or ``"reference"`` (the plain PyTorch math of
             :mod:`sparsefuse.sae.reference`, for comparisons and benchmarks).
@@ -164,7 +164,7 @@ class TopKSAE(nn.Module):
 
     # --- forward -------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, variance: Optional[Tensor | float] = None) -> SAEOutput:
+    def forward(self, x: Tensor, variance: Optional[Tensor | float] = None, *, auxk: bool = True) -> SAEOutput:
         """Encode, decode and return the loss parts (see :class:`SAEOutput`).
 
         Args:
@@ -175,6 +175,11 @@ class TopKSAE(nn.Module):
                 would be a host sync). Default: that of this batch (detached). The trainer passes the
                 variance of the whole data set, which keeps the loss linear in the rows of a batch
                 (so data-parallel training matches one process exactly).
+            auxk: False skips AuxK (``auxk_loss`` is 0), for a caller that knows no latent is dead:
+                AuxK's loss and gradients are then exactly 0, but computing them costs a top-``k_aux``
+                selection and two sparse products over ``k_aux`` latents a row (at D = 2304, k_aux =
+                1152 latents against K). The trainer knows this from a host-side bound on the
+                dead-latent clock.
         """
         check_tensor("x", x, shape=(None, self.d_model), dtypes=FLOAT_DTYPES, device=self.W_enc.device)
         if isinstance(variance, Tensor):
@@ -198,7 +203,7 @@ class TopKSAE(nn.Module):
             xf = xf - xf.sum(0) / max(xf.shape[0], 1)
             variance = (xf.square().sum() / max(xf.numel(), 1)).clamp_min(1e-30)
         auxk_loss = None
-        if self.training and self.config["auxk_alpha"] > 0:
+        if auxk and self.training and self.config["auxk_alpha"] > 0:
             auxk_loss = self._auxk_loss(x, xe, pre, indices, vals, topk_loss)
         # the [B, F] pre-activations are done with (the sparse encoder keeps no reference), so they
         # are freed before the decoder loss, whose forward may allocate the weight-gradient buffer

@@ -50,7 +50,8 @@ class TrainConfig:
     seed: int = 0
     auxk_alpha: float = 1 / 32
     dead_tokens: Optional[int] = None  #: default min(10M, steps * batch_size // 5)
-    eval_rows: int = 8192  #: held-out rows for the FVU curve (taken from the end of a data file)
+    eval_rows: int = 8192  #: held-out rows for the FVU curve (the last ones of a data file, at most a tenth)
+    data_on_device: Optional[bool] = None  #: CUDA: hold the training rows on the GPU; None: if they take <= half the free memory
     n_samples: int = 32768  #: synthetic: training rows
     d_model: int = 32  #: synthetic: width
     n_features: int = 256  #: synthetic: ground-truth features
@@ -83,12 +84,32 @@ def _rank_world():
     return (d.get_rank(), d.get_world_size()) if d else (0, 1)
 
 
+def _check_device(device: str) -> None:
+    """Refuse a device this machine cannot train on, before the data is read."""
+    if device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def _init_distributed(device: str) -> Optional[str]:
     """Start the process group when launched by torchrun; returns the device to use."""
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
         return device
+    if device not in ("auto", "cuda", "cpu"):  # every process would train on that one GPU, over gloo
+        raise ValueError(f"device={device!r} under torchrun ({world} processes): use auto, cuda or cpu; "
+                         f"each process then takes cuda:LOCAL_RANK")
     cuda = torch.cuda.is_available() and device in ("auto", "cuda")
     dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
@@ -116,6 +137,65 @@ def _load_data(cfg: TrainConfig):
         raise ValueError(f"{cfg.data} holds {x.shape[0]} rows; at least 20 are needed to hold out 10% "
                          f"(at least 2 rows) for the FVU curve")
     return x[:-n_eval], x[-n_eval:], None
+
+
+def _data_stats(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(mean [D] float32, variance about it over every element) of the rows of ``x``, summed in
+    float64 a few MiB of rows at a time: a float64 copy of the whole set would take twice its size."""
+    n, d = x.shape
+    step = max(1, (1 << 22) // d)
+    total = torch.zeros(d, dtype=torch.float64)
+    for s in range(0, n, step):
+        total += x[s:s + step].sum(0, dtype=torch.float64)
+    mean = total / n
+    sq = 0.0
+    for s in range(0, n, step):
+        sq += float((x[s:s + step].double() - mean).square().sum())
+    return mean.float(), sq / (n * d)
+
+
+class _Batches:
+    """The training rows of each step, on ``device``.
+
+    CUDA: the training set is copied to the GPU once when ``on_device`` (None: when it takes at most
+    half of the free memory), and a batch is a gather there. Otherwise each batch is gathered on the
+    host into one of two pinned buffers and copied on a side stream. A copy from pageable memory
+    can block the host until the GPU has reached it in its stream; a pinned one on its own stream
+    overlaps the GPU's work on the step before. CPU: an index into the set."""
+
+    def __init__(self, train: torch.Tensor, rows_per_step: int, device: torch.device, on_device: Optional[bool]):
+        self.src, self.device, self.stream = train, device, None
+        if device.type == "cuda":
+            if on_device is None:
+                on_device = train.numel() * train.element_size() <= torch.cuda.mem_get_info(device)[0] // 2
+            if on_device:
+                self.src = train.to(device)
+            else:
+                self.pinned = [torch.empty(rows_per_step, train.shape[1]).pin_memory() for _ in range(2)]
+                self.copied = [None, None]
+                self.stream, self.turn = torch.cuda.Stream(device), 0
+        self.order = None
+
+    def new_epoch(self, order: torch.Tensor) -> None:
+        """Take rows in ``order`` (a CPU permutation) from now on."""
+        self.order = order.to(self.src.device)
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        rows = self.order[start:stop]
+        if self.stream is None:
+            return self.src[rows]
+        t = self.turn
+        if self.copied[t] is not None:
+            self.copied[t].synchronize()  # the copy out of this buffer, two batches ago, has finished
+        buf = torch.index_select(self.src, 0, rows, out=self.pinned[t])
+        with torch.cuda.stream(self.stream):
+            xb = buf.to(self.device, non_blocking=True)
+            self.copied[t] = self.stream.record_event()
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.stream)
+        xb.record_stream(compute)  # allocated on the side stream, used on the compute stream
+        self.turn = 1 - t
+        return xb
 
 
 def feature_recovery(W_dec: torch.Tensor, G: torch.Tensor) -> dict:
@@ -153,20 +233,19 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.Tensor, G, device) -> RunResult:
+def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.Tensor, G, device,
+               stats: tuple, batches: _Batches) -> RunResult:
     rank, world = _rank_world()
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of processes ({world})")
     D = train.shape[1]
     dead_tokens = cfg.dead_tokens if cfg.dead_tokens is not None else min(10_000_000, cfg.steps * cfg.batch_size // 5)
     model = TopKSAE(D, cfg.n_latents, cfg.k, hierarchical=(loss == "hierarchical"), auxk_alpha=cfg.auxk_alpha,
                     dead_tokens=dead_tokens, seed=cfg.seed).to(device)
+    mean, variance = stats
     with torch.no_grad():
-        model.b_dec.copy_(train.double().mean(0).float())
-    variance = float((train.double() - train.double().mean(0)).square().mean())
+        model.b_dec.copy_(mean)
     variance = torch.tensor(max(variance, 1e-30), device=device)
     lr = cfg.lr if cfg.lr is not None else 2e-4 / math.sqrt(cfg.n_latents / 2**14)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=device.type == "cuda")  # one kernel a step on CUDA
     net = model
     if world > 1:
         with warnings.catch_warnings():  # newer torch renames the flag; the old name keeps working
@@ -175,18 +254,23 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
     local = cfg.batch_size // world
     g = torch.Generator().manual_seed(cfg.seed + 7)
     order, pos = torch.randperm(train.shape[0], generator=g), 0
+    batches.new_epoch(order)
     autocast = cfg.dtype == "bfloat16"
     history = {"step": [], "loss": [], "dead_frac": []}
     bar = _Progress(cfg.steps, f"{loss:>12}", cfg.progress and rank == 0)
+    # An upper bound, on the host, of the dead-latent clock's largest value (a new model's is 0):
+    # while it is at most dead_tokens no latent can be dead, AuxK's loss and gradients are exactly
+    # 0, and the step skips computing them. Tightened at each logging step, where the host waits anyway.
+    clock_bound = 0
     start = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         if pos + cfg.batch_size > order.numel():
             order, pos = torch.randperm(train.shape[0], generator=g), 0
-        rows = order[pos + rank * local: pos + (rank + 1) * local]
+            batches.new_epoch(order)
+        xb = batches.take(pos + rank * local, pos + (rank + 1) * local)
         pos += cfg.batch_size
-        xb = train[rows].to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = net(xb, variance)
+            out = net(xb, variance, auxk=clock_bound > dead_tokens)
         out.loss.backward()
         model.remove_parallel_grad_()
         opt.step()
@@ -196,6 +280,7 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
         if world > 1:
             _dist().all_reduce(counts)
         model.record_firing(counts, cfg.batch_size)
+        clock_bound += cfg.batch_size
         if step % cfg.log_every == 0 or step == cfg.steps:
             recon_t = out.recon_loss.detach().float().reshape(1)
             if world > 1:  # the mean over the global batch (each rank's shard is the same size)
@@ -203,6 +288,7 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
                 recon_t /= world
             recon = float(recon_t)
             dead = float(model.dead_mask().float().mean())
+            clock_bound = int(model.tokens_since_fired.max())
             history["step"].append(step)
             history["loss"].append(recon)
             history["dead_frac"].append(dead)
@@ -242,19 +328,24 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"dead_tokens must be >= 0, got {cfg.dead_tokens}")
     if cfg.data is None and cfg.n_samples < 1:
         raise ValueError(f"n_samples (synthetic training rows) must be >= 1, got {cfg.n_samples}")
+    _check_device(cfg.device)
     train, eval_x, G = _load_data(cfg)
     if cfg.batch_size > train.shape[0]:  # a batch would be the whole set, uneven slices under DDP
         raise ValueError(f"batch_size={cfg.batch_size} is larger than the {train.shape[0]} training rows")
     device = _resolve_device(_init_distributed(cfg.device))
     rank, world = _rank_world()
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of processes ({world})")
     if rank == 0:
         src = cfg.data or (f"synthetic: {train.shape[0]} rows, D={train.shape[1]}, {cfg.n_features} true features,"
                            f" ~{expected_active(cfg.n_features, cfg.mean_active):.3g} active per row")
         log(f"data: {src}; eval rows: {eval_x.shape[0]}; device: {device}"
             + (f" x {world} processes" if world > 1 else "") + f"; dtype: {cfg.dtype}")
+    stats = _data_stats(train)
+    batches = _Batches(train, cfg.batch_size // world, device, cfg.data_on_device)
     runs = {}
     for loss in cfg.losses:
-        runs[loss] = _train_one(cfg, loss, train, eval_x, G, device)
+        runs[loss] = _train_one(cfg, loss, train, eval_x, G, device, stats, batches)
         if rank == 0:
             log(_summary(runs[loss], cfg))
     if rank == 0 and cfg.out:
@@ -358,7 +449,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=d.d_model, help="synthetic: width D")
     p.add_argument("--features", type=int, default=d.n_features, help="synthetic: ground-truth features")
     p.add_argument("--mean-active", type=float, default=d.mean_active, help="synthetic: active features per row")
-    p.add_argument("--eval-rows", type=int, default=d.eval_rows, help="held-out rows for the FVU curve")
+    p.add_argument("--eval-rows", type=int, default=d.eval_rows,
+                   help="held-out rows for the FVU curve (from a data file: its last rows, at most a tenth)")
+    p.add_argument("--data-on-device", default="auto", choices=["auto", "yes", "no"],
+                   help="CUDA: hold the training rows on the GPU (auto: if they take at most half the free memory)")
     p.add_argument("--out", default=d.out, help="output folder (checkpoint, metrics.json, sae.png)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -369,7 +463,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         data=a.data, losses=LOSSES if a.loss == "both" else (a.loss,), k=a.k, n_latents=a.latents, lr=a.lr,
         batch_size=a.batch_size, steps=a.steps, device=a.device, dtype=a.dtype, seed=a.seed,
         auxk_alpha=a.auxk_alpha, dead_tokens=a.dead_tokens, n_samples=a.n_samples, d_model=a.d_model,
-        n_features=a.features, mean_active=a.mean_active, eval_rows=a.eval_rows, out=a.out,
+        n_features=a.features, mean_active=a.mean_active, eval_rows=a.eval_rows,
+        data_on_device={"auto": None, "yes": True, "no": False}[a.data_on_device], out=a.out,
         plot=not a.no_plot, progress=not a.quiet,
     )
 
