@@ -6,6 +6,8 @@ import torch
 import sparsefuse
 
 from helpers import DEVICE, TOL, assert_close
+from sparsefuse import sparse_linear
+from sparsefuse.sae import modules
 from sparsefuse.sae.modules import TopKSAE
 
 D, F, K, B = 10, 24, 5, 13
@@ -82,26 +84,81 @@ def test_unit_norm_invariant_after_steps(hierarchical):
         assert torch.allclose(norms, torch.ones_like(norms), atol=1e-6), f"step {step}: row norms {norms}"
 
 
-@pytest.mark.parametrize("encoder", ["sparse", "dense"])
-def test_auxk_false_skips_only_what_is_zero(encoder):
-    """forward(auxk=False), for a caller that knows no latent is dead: the same loss and the same
-    gradients as computing AuxK's exact zero (bit for bit on the CPU; on CUDA the weight gradients'
-    atomics sum in no fixed order, run to run); with a dead latent it does drop AuxK."""
-    m, x = _model(True, encoder=encoder, auxk_alpha=0.5, dead_tokens=100), _x()
-    results = []
-    for auxk in (True, False):
-        out = m(x, auxk=auxk)
-        grads = torch.autograd.grad(out.loss, list(m.parameters()))
-        results.append((out.loss.detach(), out.auxk_loss.detach(), grads))
-    (l1, a1, g1), (l2, a2, g2) = results
-    assert float(a1) == float(a2) == 0.0 and torch.equal(l1, l2)
-    for (name, _), a, b in zip(m.named_parameters(), g1, g2):
-        if DEVICE == "cpu":
+def _loss_and_grads(m, x, **kw):
+    out = m(x, **kw)
+    return out.loss.detach(), out.auxk_loss.detach(), torch.autograd.grad(out.loss, list(m.parameters()))
+
+
+def _same(m, got, want, exact):
+    """Loss, AuxK loss and every gradient equal: bit for bit (``exact``, on the CPU), else to fp64's
+    tolerance (other picks' zeros, or on CUDA atomics that sum in no fixed order)."""
+    for name, a, b in (("loss", got[0], want[0]), ("auxk_loss", got[1], want[1]),
+                       *((n, a, b) for (n, _), a, b in zip(m.named_parameters(), got[2], want[2]))):
+        if exact and DEVICE == "cpu":
             assert torch.equal(a, b), name
         else:
-            assert_close(b, a, torch.float64, name)
-    m.tokens_since_fired[3] = 1000
-    assert m(x).auxk_loss > 0 and float(m(x, auxk=False).auxk_loss) == 0.0
+            assert_close(a, b, torch.float64, name)
+
+
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+@pytest.mark.parametrize("auxk_path", ["gathers", "dense"])
+def test_auxk_latents_restrict_the_search_without_changing_the_loss(encoder, auxk_path, monkeypatch):
+    """forward(auxk_latents=...), for a caller that knows a superset of the dead latents: an empty
+    one skips AuxK, which is then 0 with the same gradients as computing it; a superset with fewer
+    or more columns than k_aux gives AuxK's loss and gradients of the search over every latent
+    (through k_aux gathers a row), whether AuxK runs as gathers or as dense products over the
+    candidate columns."""
+    m, x = _model(True, encoder=encoder, auxk_alpha=0.5, dead_tokens=100, k_aux=6), _x()
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+
+    def reference(**kw):  # the search over every latent, through gathers
+        with monkeypatch.context() as mp:
+            mp.setattr(modules, "AUXK_DENSE_RATIO", 0)
+            return _loss_and_grads(m, x, **kw)
+
+    monkeypatch.setattr(modules, "AUXK_DENSE_RATIO", 0 if auxk_path == "gathers" else 10**6)
+    full = reference()
+    assert float(full[1]) == 0.0
+    _same(m, _loss_and_grads(m, x), full, exact=auxk_path == "gathers")
+    _same(m, _loss_and_grads(m, x, auxk_latents=none), full, exact=True)
+    dead = torch.tensor([2, 9, 15, 21], device=DEVICE)
+    m.tokens_since_fired[dead] = 1000
+    full = reference()
+    assert float(full[1]) > 0
+    _same(m, _loss_and_grads(m, x), full, exact=auxk_path == "gathers")
+    for extra in ([], [0, 5], [0, 1, 3, 4, 5, 6, 7, 8]):  # C = 4, 6, 12 against k_aux = 6
+        cols = torch.cat([dead, torch.tensor(extra, dtype=torch.int64, device=DEVICE)])
+        _same(m, _loss_and_grads(m, x, auxk_latents=cols[torch.randperm(cols.numel())].to(torch.int32)), full,
+              exact=False)
+    assert float(m(x, auxk_latents=none).auxk_loss) == 0.0  # an empty set skips AuxK: the caller's promise
+
+
+def test_auxk_runs_dense_over_few_candidates(monkeypatch):
+    """The rule: dense products when the candidate columns are at most AUXK_DENSE_RATIO times the
+    picks a row, k_aux gathers a row (a second sparse_linear) above that."""
+    m, x = _model(True, auxk_alpha=0.5, dead_tokens=100, k_aux=2), _x()
+    m.tokens_since_fired[[2, 9]] = 1000
+    calls = []
+    monkeypatch.setattr(modules, "sparse_linear", lambda *a, **kw: calls.append(a[2].shape) or sparse_linear(*a, **kw))
+    for cols, gathers in ((None, F > modules.AUXK_DENSE_RATIO * 2), (list(range(16)), False),
+                          (list(range(modules.AUXK_DENSE_RATIO * 2 + 1)), True)):
+        calls.clear()
+        m(x, auxk_latents=None if cols is None else torch.tensor(cols, device=DEVICE)).loss.backward()
+        assert len(calls) == 1 + gathers, (cols, calls)
+
+@pytest.mark.parametrize("bad, err, msg", [
+    (torch.zeros(2, 2, dtype=torch.int64), ValueError, r"auxk_latents must have 1 dimensions, got shape \(2, 2\)"),
+    (torch.zeros(2), TypeError, "auxk_latents has dtype float32; expected one of int32, int64"),
+    (torch.tensor([0, F]), IndexError, rf"auxk_latents holds {F}, outside \[0, {F}\)"),
+])
+def test_auxk_latents_bad_input(bad, err, msg):
+    m = _model(False)
+    sparsefuse.set_index_checks(True)
+    try:
+        with pytest.raises(err, match=msg):
+            m(_x(), auxk_latents=bad.to(DEVICE))
+    finally:
+        sparsefuse.set_index_checks(None)
 
 
 def test_auxk_uses_only_dead_latents():

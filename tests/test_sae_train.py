@@ -286,11 +286,12 @@ def _record_calls(monkeypatch):
     rec = {"on": True, "forward": [], "fvu_x": [], "auxk": []}
     real_forward, real_fvu = modules.TopKSAE.forward, modules.TopKSAE.fvu_curve
 
-    def forward(self, x, variance=None, *, auxk=True):
-        out = real_forward(self, x, variance, auxk=auxk)
+    def forward(self, x, variance=None, *, auxk_latents=None):
+        out = real_forward(self, x, variance, auxk_latents=auxk_latents)
         if rec["on"]:
             rec["forward"].append((x.detach().clone(), variance, float(out.recon_loss.detach())))
-            rec["auxk"].append((auxk, bool(self.dead_mask().any())))
+            cols = torch.arange(self.n_latents) if auxk_latents is None else auxk_latents.cpu()
+            rec["auxk"].append((cols, self.dead_mask().nonzero().squeeze(1).cpu()))
         return out
 
     def fvu_curve(self, x, *a, **kw):
@@ -336,9 +337,9 @@ def test_trainer_steps_equal_a_hand_written_loop(monkeypatch):
             history["loss"].append(float(out.recon_loss))
             history["dead_frac"].append(float(model.dead_mask().float().mean()))
     assert auxk_seen, "the test should exercise AuxK"
-    # AuxK was computed at every step with a dead latent, and skipped at some without (the first:
-    # its clock cannot have passed dead_tokens = 16 after one batch of 16)
-    assert all(on for on, dead in rec["auxk"] if dead) and rec["auxk"][0] == (False, False)
+    # AuxK searched every dead latent at every step, and was skipped at the first (no clock can
+    # have passed dead_tokens = 16 after one batch of 16)
+    assert all(torch.isin(dead, cols).all() for cols, dead in rec["auxk"]) and rec["auxk"][0][0].numel() == 0
     assert run.history["step"] == [2, 4, 5]
     assert run.history["loss"] == pytest.approx(history["loss"], rel=1e-5)
     assert run.history["loss"] == pytest.approx([rec["forward"][s - 1][2] for s in (2, 4, 5)], rel=1e-6)
@@ -574,20 +575,27 @@ def test_trainer_streamed_batches_match_resident_ones(tmp_path):
             assert torch.equal(got, want), name
 
 
-def test_trainer_skips_auxk_only_while_no_latent_can_be_dead(monkeypatch):
-    """The host-side bound on the dead-latent clock: with dead_tokens far beyond the run, AuxK is
-    never computed; with latents dying before the first logging step, it is computed at every
-    step that has a dead latent (the bound grows by each batch); where every latent keeps firing,
-    the bound tightened at a logging step lets later steps skip it again. (The run equals a plain
-    loop that always computes AuxK: test_trainer_steps_equal_a_hand_written_loop.)"""
+def test_trainer_gives_auxk_a_superset_of_the_dead_latents(monkeypatch):
+    """The host-side knowledge of the dead-latent clock: with dead_tokens far beyond the run, AuxK is
+    never computed; with latents dying before the first logging step it searches every dead latent
+    (the clock's bound grows by each batch); after a logging step it searches only the latents that
+    can die before the next one, all dead ones among them; where every latent keeps firing, AuxK is
+    skipped again after a logging step. (The run equals a plain loop that always searches every
+    latent: test_trainer_steps_equal_a_hand_written_loop.)"""
     rec = _record_calls(monkeypatch)
-    train_sae(TrainConfig(**dict(REPLAY_CFG, dead_tokens=10**9)), log=lambda *_: None)
-    assert rec["auxk"] == [(False, False)] * 5
-    rec["auxk"].clear()
-    train_sae(TrainConfig(**dict(REPLAY_CFG, steps=8, log_every=100)), log=lambda *_: None)
-    assert sum(dead for _, dead in rec["auxk"]) >= 3, "the test should see dead latents"
-    assert all(on for on, dead in rec["auxk"] if dead) and rec["auxk"][:2] == [(False, False)] * 2
-    rec["auxk"].clear()  # 8 latents, 4 active of 16 rows: all fire; without the tightening, step 4 on needs AuxK
-    train_sae(TrainConfig(**dict(REPLAY_CFG, n_latents=8, k=4, steps=9, dead_tokens=40, log_every=3)),
-              log=lambda *_: None)
-    assert rec["auxk"] == [(False, False)] * 9
+
+    def run(**kw):
+        rec["auxk"].clear()
+        train_sae(TrainConfig(**dict(REPLAY_CFG, **kw)), log=lambda *_: None)
+        assert all(torch.isin(dead, cols).all() for cols, dead in rec["auxk"]), "a dead latent was left out"
+        return [(cols.numel(), dead.numel()) for cols, dead in rec["auxk"]]
+
+    assert run(dead_tokens=10**9) == [(0, 0)] * 5
+    sizes = run(steps=8, log_every=100)
+    assert sum(d for _, d in sizes) >= 3 and sizes[:2] == [(0, 0)] * 2, "the test should see dead latents"
+    # dead_tokens = 100 and 3 batches of 16 between logging steps: after one, only latents whose clock
+    # is past 100 - 48 are searched, fewer than all 32
+    sizes = run(steps=30, log_every=3, dead_tokens=100)
+    assert any(0 < c < 32 for c, _ in sizes[3:]) and any(d for _, d in sizes)
+    # 8 latents, 4 active of 16 rows: all keep firing; without the logging steps' bound, step 4 on needs AuxK
+    assert run(n_latents=8, k=4, steps=9, dead_tokens=40, log_every=3) == [(0, 0)] * 9

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validate import FLOAT_DTYPES, check_index_range, check_number, check_tensor
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor
 from . import reference
 from .ops import (hierarchical_sae_loss, normalize_rows_, remove_parallel_component_, sae_decode, sparse_linear,
                   topk_sae_loss)
@@ -37,6 +37,11 @@ DECODERS = {
     "reference": (reference.topk_sae_loss, reference.hierarchical_sae_loss),
 }
 ENCODERS = ("sparse", "dense")  # how forward() differentiates the encoder (see TopKSAE)
+# AuxK runs as dense products over its C candidate columns when C <= AUXK_DENSE_RATIO * n (n = the
+# picks a row, min(k_aux, C)); above, as n gathers a row (sparse_linear and the TopK loss). A dense
+# product does C / n times the work of the gathers, but on tensor cores and without the sorted
+# segmented sums of their backward (benchmarks/NOTES.md, session 29).
+AUXK_DENSE_RATIO = 8
 
 
 class SAEOutput(NamedTuple):
@@ -164,7 +169,8 @@ class TopKSAE(nn.Module):
 
     # --- forward -------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, variance: Optional[Tensor | float] = None, *, auxk: bool = True) -> SAEOutput:
+    def forward(self, x: Tensor, variance: Optional[Tensor | float] = None, *,
+                auxk_latents: Optional[Tensor] = None) -> SAEOutput:
         """Encode, decode and return the loss parts (see :class:`SAEOutput`).
 
         Args:
@@ -175,13 +181,22 @@ class TopKSAE(nn.Module):
                 would be a host sync). Default: that of this batch (detached). The trainer passes the
                 variance of the whole data set, which keeps the loss linear in the rows of a batch
                 (so data-parallel training matches one process exactly).
-            auxk: False skips AuxK (``auxk_loss`` is 0), for a caller that knows no latent is dead:
-                AuxK's loss and gradients are then exactly 0, but computing them costs a top-``k_aux``
-                selection and two sparse products over ``k_aux`` latents a row (at D = 2304, k_aux =
-                1152 latents against K). The trainer knows this from a host-side bound on the
-                dead-latent clock.
+            auxk_latents: ``[C]`` int32 or int64, the latents AuxK may choose from, for a caller
+                that knows a superset of the dead ones (not checked: that would be a host sync).
+                AuxK then selects among these C columns, at most ``n = min(k_aux, C)`` latents a
+                row, and an empty tensor skips it (``auxk_loss`` is 0). The loss and gradients are
+                those of the search over all latents (to rounding): the latents left out are alive,
+                so AuxK gives them 0. That search costs a top-``k_aux`` selection over ``[B, F]``
+                and two sparse products over ``k_aux`` (default D / 2) latents a row, whether or not
+                any latent is dead. Over few candidates (C <= ``AUXK_DENSE_RATIO`` * n) AuxK runs
+                as two dense ``[B, C]`` products instead. None (default): all latents. The trainer
+                bounds the dead-latent clock on the host.
         """
         check_tensor("x", x, shape=(None, self.d_model), dtypes=FLOAT_DTYPES, device=self.W_enc.device)
+        if auxk_latents is not None:
+            check_tensor("auxk_latents", auxk_latents, shape=(None,), dtypes=INDEX_DTYPES, device=self.W_enc.device)
+            if not torch.compiler.is_compiling():
+                check_index_range("auxk_latents", auxk_latents, self.n_latents)
         if isinstance(variance, Tensor):
             if variance.dim() != 0:
                 raise ValueError(f"variance must be a number or a 0-dim tensor, got shape {tuple(variance.shape)}")
@@ -203,8 +218,8 @@ class TopKSAE(nn.Module):
             xf = xf - xf.sum(0) / max(xf.shape[0], 1)
             variance = (xf.square().sum() / max(xf.numel(), 1)).clamp_min(1e-30)
         auxk_loss = None
-        if auxk and self.training and self.config["auxk_alpha"] > 0:
-            auxk_loss = self._auxk_loss(x, xe, pre, indices, vals, topk_loss)
+        if self.training and self.config["auxk_alpha"] > 0 and (auxk_latents is None or auxk_latents.numel()):
+            auxk_loss = self._auxk_loss(x, xe, pre, indices, vals, topk_loss, auxk_latents)
         # the [B, F] pre-activations are done with (the sparse encoder keeps no reference), so they
         # are freed before the decoder loss, whose forward may allocate the weight-gradient buffer
         del pre
@@ -215,22 +230,47 @@ class TopKSAE(nn.Module):
         loss = recon_loss + self.config["auxk_alpha"] * auxk_loss
         return SAEOutput(loss, recon_loss, auxk_loss, indices, vals)
 
-    def _auxk_loss(self, x, xe, pre, indices, vals, topk_loss):
+    def _auxk_loss(self, x, xe, pre, indices, vals, topk_loss, latents=None):
         dead = self.dead_mask()
         # e = x - x_hat in float32 (float64 for float64 x), as the reconstruction loss forms it:
         # rounding x_hat to a 16-bit x's dtype first would move a small e by up to half an ulp of x_hat
         with torch.no_grad():
             acc = reference.acc_dtype(x)
             resid = x.to(acc) - self.decode(indices, vals).to(acc)  # [B, D]
-        aux_vals, aux_idx = (pre * dead.to(pre.dtype)).topk(self.config["k_aux"], dim=-1, sorted=True)
-        if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
-            aux_vals = F.relu(sparse_linear(xe, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(xe.dtype),
-                                            values=aux_vals))
-            aux_vals = aux_vals * dead[aux_idx].to(aux_vals.dtype)
-        mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
+        # the C candidate columns: every latent, or the caller's superset of the dead ones (the
+        # others are alive and would get 0)
+        cand, cand_dead = (pre, dead) if latents is None else (pre[:, latents], dead[latents])  # [B, C], [C]
+        n = min(self.config["k_aux"], cand.shape[1])
+        aux_vals, pick = (cand * cand_dead.to(cand.dtype)).topk(n, dim=-1, sorted=True)  # [B, n]
+        if cand.shape[1] <= AUXK_DENSE_RATIO * n:
+            mse = self._auxk_dense(xe, cand, cand_dead, pick, resid, latents)
+        else:
+            aux_idx = pick if latents is None else latents[pick]
+            if self.encoder == "sparse":  # picks that are not dead (too few dead latents) get 0 and no gradient
+                aux_vals = F.relu(sparse_linear(xe, self.W_enc, aux_idx, self.b_enc, self.b_dec.to(xe.dtype),
+                                                values=aux_vals))
+                aux_vals = aux_vals * dead[aux_idx].to(aux_vals.dtype)
+            mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
         # sum / max(numel, 1): an empty shard contributes 0 instead of a NaN that the mean would spread
         scale = _global_mean(resid.to(mse.dtype).square().sum() / max(resid.numel(), 1)).clamp_min(1e-30)
         return torch.where(dead.any(), mse / scale, mse.new_zeros(()))
+
+    def _auxk_dense(self, xe, cand, cand_dead, pick, resid, latents):
+        """AuxK's mse as dense products over the C candidate columns, for few candidates: the
+        activations ``[B, C]`` with everything but each row's picks zeroed, times the candidates'
+        decoder rows. The same loss and gradients as the sparse path (to rounding; under autocast
+        the two products run in its dtype, as the encoder's does)."""
+        if latents is None:
+            W_enc, b_enc, W_dec = self.W_enc, self.b_enc, self.W_dec
+        else:
+            W_enc, b_enc, W_dec = self.W_enc[latents], self.b_enc[latents], self.W_dec[latents]
+        if self.encoder == "sparse":  # the candidates' pre-activations again, now with a graph
+            a = F.relu(F.linear(xe - self.b_dec.to(xe.dtype), W_enc, b_enc))
+        else:
+            a = cand  # already relu'd, with a graph
+        keep = torch.zeros(a.shape, dtype=torch.bool, device=a.device).scatter_(1, pick, True) & cand_dead
+        e_hat = (a * keep.to(a.dtype)) @ W_dec.to(a.dtype)  # [B, D]
+        return (e_hat.to(resid.dtype) - resid).square().sum() / max(resid.numel(), 1)
 
     # --- training helpers ----------------------------------------------------------------------
 

@@ -198,6 +198,11 @@ class _Batches:
         return xb
 
 
+def _latents_over(model: TopKSAE, tokens: int) -> torch.Tensor:
+    """``[C]`` int64: the latents whose dead-latent clock is past ``tokens`` (a host sync)."""
+    return (model.tokens_since_fired > tokens).nonzero().squeeze(1)
+
+
 def feature_recovery(W_dec: torch.Tensor, G: torch.Tensor) -> dict:
     """Mean over true features of the best cosine similarity with any decoder row, and the share above 0.9."""
     W = W_dec.detach().double().cpu()
@@ -258,10 +263,14 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
     autocast = cfg.dtype == "bfloat16"
     history = {"step": [], "loss": [], "dead_frac": []}
     bar = _Progress(cfg.steps, f"{loss:>12}", cfg.progress and rank == 0)
-    # An upper bound, on the host, of the dead-latent clock's largest value (a new model's is 0):
-    # while it is at most dead_tokens no latent can be dead, AuxK's loss and gradients are exactly
-    # 0, and the step skips computing them. Tightened at each logging step, where the host waits anyway.
-    clock_bound = 0
+    # What AuxK needs to know of the dead latents, learnt on the host at each logging step (where it
+    # waits anyway) and bounded in between: the dead-latent clock grows by at most batch_size a step.
+    # clock_bound is at least its largest value: while that is at most dead_tokens no latent is dead,
+    # AuxK's loss and gradients are 0, and it is skipped. Otherwise it searches only the latents
+    # whose clock can pass dead_tokens before the next logging step (all dead ones among them).
+    horizon = cfg.log_every * cfg.batch_size
+    clock_bound, maybe_dead = int(model.tokens_since_fired.max()), _latents_over(model, dead_tokens - horizon)
+    no_latents = maybe_dead[:0]
     start = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         if pos + cfg.batch_size > order.numel():
@@ -270,7 +279,7 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
         xb = batches.take(pos + rank * local, pos + (rank + 1) * local)
         pos += cfg.batch_size
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = net(xb, variance, auxk=clock_bound > dead_tokens)
+            out = net(xb, variance, auxk_latents=maybe_dead if clock_bound > dead_tokens else no_latents)
         out.loss.backward()
         model.remove_parallel_grad_()
         opt.step()
@@ -289,6 +298,7 @@ def _train_one(cfg: TrainConfig, loss: str, train: torch.Tensor, eval_x: torch.T
             recon = float(recon_t)
             dead = float(model.dead_mask().float().mean())
             clock_bound = int(model.tokens_since_fired.max())
+            maybe_dead = _latents_over(model, dead_tokens - horizon)
             history["step"].append(step)
             history["loss"].append(recon)
             history["dead_frac"].append(dead)
