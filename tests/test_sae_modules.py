@@ -146,6 +146,7 @@ def test_auxk_runs_dense_over_few_candidates(monkeypatch):
         m(x, auxk_latents=None if cols is None else torch.tensor(cols, device=DEVICE)).loss.backward()
         assert len(calls) == 1 + gathers, (cols, calls)
 
+
 @pytest.mark.parametrize("bad, err, msg", [
     (torch.zeros(2, 2, dtype=torch.int64), ValueError, r"auxk_latents must have 1 dimensions, got shape \(2, 2\)"),
     (torch.zeros(2), TypeError, "auxk_latents has dtype float32; expected one of int32, int64"),
