@@ -151,6 +151,8 @@ def test_auxk_runs_dense_over_few_candidates(monkeypatch):
     (torch.zeros(2, 2, dtype=torch.int64), ValueError, r"auxk_latents must have 1 dimensions, got shape \(2, 2\)"),
     (torch.zeros(2), TypeError, "auxk_latents has dtype float32; expected one of int32, int64"),
     (torch.tensor([0, F]), IndexError, rf"auxk_latents holds {F}, outside \[0, {F}\)"),
+    (torch.tensor([-1, 3]), IndexError, rf"auxk_latents holds -1, outside \[0, {F}\)"),
+    (torch.tensor([2, 9, 2]), ValueError, "auxk_latents lists a latent more than once"),
 ])
 def test_auxk_latents_bad_input(bad, err, msg):
     m = _model(False)
@@ -160,6 +162,24 @@ def test_auxk_latents_bad_input(bad, err, msg):
             m(_x(), auxk_latents=bad.to(DEVICE))
     finally:
         sparsefuse.set_index_checks(None)
+
+
+@pytest.mark.parametrize("auxk_path", ["gathers", "dense"])
+@pytest.mark.parametrize("bad", [-3, F])
+def test_auxk_latents_out_of_range_unchecked_give_nan(bad, auxk_path, monkeypatch):
+    """With index checks off (the GPU default), a candidate id outside [0, F) makes AuxK's loss and
+    the gradients it reaches NaN on either path, rather than reading another latent (a negative id
+    would wrap onto latent F + id, which is dead here) or faulting."""
+    monkeypatch.setattr(modules, "AUXK_DENSE_RATIO", 0 if auxk_path == "gathers" else 10**6)
+    m, x = _model(True, auxk_alpha=0.5, dead_tokens=100, k_aux=6), _x()
+    m.tokens_since_fired[[2, 9, 15, 21]] = 1000
+    sparsefuse.set_index_checks(False)
+    try:
+        loss, auxk, grads = _loss_and_grads(m, x, auxk_latents=torch.tensor([2, 9, 15, bad], device=DEVICE))
+    finally:
+        sparsefuse.set_index_checks(None)
+    assert loss.isnan() and auxk.isnan()
+    assert dict(zip((n for n, _ in m.named_parameters()), grads))["W_dec"].isnan().any()
 
 
 def test_auxk_uses_only_dead_latents():

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor,
+                         index_checks_enabled)
 from . import reference
 from .ops import (hierarchical_sae_loss, normalize_rows_, remove_parallel_component_, sae_decode, sparse_linear,
                   topk_sae_loss)
@@ -182,7 +183,11 @@ class TopKSAE(nn.Module):
                 variance of the whole data set, which keeps the loss linear in the rows of a batch
                 (so data-parallel training matches one process exactly).
             auxk_latents: ``[C]`` int32 or int64, the latents AuxK may choose from, for a caller
-                that knows a superset of the dead ones (not checked: that would be a host sync).
+                that knows a superset of the dead ones (not checked: that would be a host sync),
+                each in ``[0, F)`` and listed once. Where index checks run (see
+                :func:`sparsefuse.set_index_checks`) an id out of range or listed twice raises;
+                unchecked, an id out of range makes ``auxk_loss`` NaN, and one listed twice may be
+                picked twice.
                 AuxK then selects among these C columns, at most ``n = min(k_aux, C)`` latents a
                 row, and an empty tensor skips it (``auxk_loss`` is 0). The loss and gradients are
                 those of the search over all latents (to rounding): the latents left out are alive,
@@ -197,6 +202,8 @@ class TopKSAE(nn.Module):
             check_tensor("auxk_latents", auxk_latents, shape=(None,), dtypes=INDEX_DTYPES, device=self.W_enc.device)
             if not torch.compiler.is_compiling():
                 check_index_range("auxk_latents", auxk_latents, self.n_latents)
+                if index_checks_enabled(auxk_latents) and auxk_latents.unique().numel() < auxk_latents.numel():
+                    raise ValueError("auxk_latents lists a latent more than once")
         if isinstance(variance, Tensor):
             if variance.dim() != 0:
                 raise ValueError(f"variance must be a number or a 0-dim tensor, got shape {tuple(variance.shape)}")
@@ -238,7 +245,11 @@ class TopKSAE(nn.Module):
             acc = reference.acc_dtype(x)
             resid = x.to(acc) - self.decode(indices, vals).to(acc)  # [B, D]
         # the C candidate columns: every latent, or the caller's superset of the dead ones (the
-        # others are alive and would get 0)
+        # others are alive and would get 0). An unchecked id outside [0, F) is read as a valid one
+        # and makes the loss NaN at the end (indexing with it would wrap or fault).
+        if latents is not None:
+            outside = ((latents < 0) | (latents >= self.n_latents)).any()
+            latents = latents.clamp(0, self.n_latents - 1)
         cand, cand_dead = (pre, dead) if latents is None else (pre[:, latents], dead[latents])  # [B, C], [C]
         n = min(self.config["k_aux"], cand.shape[1])
         aux_vals, pick = (cand * cand_dead.to(cand.dtype)).topk(n, dim=-1, sorted=True)  # [B, n]
@@ -253,6 +264,8 @@ class TopKSAE(nn.Module):
             mse = topk_loss(aux_idx, self.W_dec, aux_vals, None, resid)
         # sum / max(numel, 1): an empty shard contributes 0 instead of a NaN that the mean would spread
         scale = _global_mean(resid.to(mse.dtype).square().sum() / max(resid.numel(), 1)).clamp_min(1e-30)
+        if latents is not None:  # NaN for the loss and, through the factor, for its gradients
+            mse = mse * torch.where(outside, math.nan, 1.0)
         return torch.where(dead.any(), mse / scale, mse.new_zeros(()))
 
     def _auxk_dense(self, xe, cand, cand_dead, pick, resid, latents):
