@@ -182,6 +182,35 @@ def test_auxk_latents_out_of_range_unchecked_give_nan(bad, auxk_path, monkeypatc
     assert dict(zip((n for n, _ in m.named_parameters()), grads))["W_dec"].isnan().any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+@pytest.mark.parametrize("cols", [8, 64], ids=["auxk-dense", "auxk-gathers"])
+def test_step_with_auxk_candidates_makes_no_host_sync(encoder, cols):
+    """A training step's forward(auxk_latents=...) and backward, on either AuxK path (8 candidates
+    run dense, 64 as gathers: n = 4 picks a row), in fp32 and under bf16 autocast, with index checks
+    off (the CUDA default): no host sync (the sync debug mode raises on one)."""
+    m = TopKSAE(64, 256, 8, hierarchical=True, encoder=encoder, auxk_alpha=1 / 32, dead_tokens=100, k_aux=4,
+                seed=0).cuda()
+    m.tokens_since_fired[:cols:2] = 1000
+    x = torch.randn(128, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    latents = torch.arange(cols, device="cuda")
+
+    def steps():
+        for autocast in (False, True):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = m(x, auxk_latents=latents)
+            out.loss.backward()
+        return out
+
+    assert float(steps().auxk_loss) > 0  # AuxK ran; this first pass also compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        steps()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_auxk_uses_only_dead_latents():
     m = _model(False, auxk_alpha=1.0, dead_tokens=100)
     x = _x()
@@ -351,6 +380,28 @@ def test_row_ops_match_fp64_reference(F_, D_, dtype):
         # relative to the input gradient: with D = 1 the projection leaves (rounding-level) zeros
         assert (got_g.double() - want_g).norm() <= TOL[dtype] * g.double().norm()
         assert (got_g * got_w).sum(1).abs().max() <= TOL[dtype] * g.norm()
+
+
+@pytest.mark.parametrize("dtype, eps", [(torch.float32, 1e-3), (torch.float64, 1e-3), (torch.float64, 1e-60)],
+                         ids=["fp32", "fp64", "fp64-eps-below-fp32"])
+def test_row_ops_take_eps_in_the_accumulation_dtype(dtype, eps):
+    """Rows shorter than eps are divided by eps itself: in float64, not by eps rounded to float32
+    (which Triton makes of a Python float argument), nor by 0 where eps is below float32's range
+    (the interpreter keeps such a value in float64; the GPU would not)."""
+    from sparsefuse.sae import reference
+    from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
+
+    w = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.6, -0.8]], dtype=torch.float64) * torch.tensor([[eps / 10], [1], [1]])
+    g = torch.tensor([[1.0, 0.0], [2.0, -1.0], [0.5, 0.25]], dtype=torch.float64)
+    want_w, want_g = w.clone(), g.clone()
+    reference.unit_rows_(want_w, None, eps)
+    reference.unit_rows_(w, want_g, eps)
+    w, g = w.to(DEVICE, dtype), g.to(DEVICE, dtype)
+    got_g = remove_parallel_component_(g.clone(), w, eps)
+    got_w = normalize_rows_(w.clone(), eps)
+    assert got_w.isfinite().all() and got_g.isfinite().all()
+    assert_close(got_w, want_w, dtype, "normalized rows")
+    assert_close(got_g, want_g, dtype, "projected gradient")
 
 
 def test_row_ops_are_seen_by_autograd():
