@@ -79,7 +79,7 @@ def variants():
         yield (f"kd row forward z={z} normalize={normalize} ce={ce}", kd._kd_row_fwd_kernel,
                dict(z_ptr="*" + z, ids_ptr="*i64", t_ptr="*" + z, m_ptr="*u8", lab_ptr="*i64", tok_ptr=a,
                     flag_ptr=a, lse_ptr=a, a_ptr=a, corr_ptr=a, ce_ptr=a, lse1_ptr=a, bit_ptr="*i32", V="i32",
-                    K="i32", stride_zn="i32", stride_bn="i32", inv_t="fp32", temperature="fp32"),
+                    K="i32", stride_zn="i32", stride_bn="i32", inv_t="fp64", temperature="fp64"),
                dict(NORMALIZE=normalize, HAS_CE=ce, SEP_CE=ce and normalize == 0, ACC=accs[acc], BLOCK_V=4096,
                     BLOCK_K=64, **({} if ce else dict(lab_ptr=None, ce_ptr=None, lse1_ptr=None)),
                     **({} if normalize == 2 else dict(bit_ptr=None))))
@@ -92,18 +92,42 @@ def variants():
         yield (f"kd row backward z={z} normalize={normalize} ce={ce}", kd._kd_row_bwd_kernel,
                dict(z_ptr="*" + z, g_ptr="*" + z, ids_ptr="*i64", m_ptr="*u8", lab_ptr="*i64", lse_ptr=a, a_ptr=a,
                     corr_ptr=a, lse1_ptr=a, gl_ptr=a, gt_ptr=a, scale_ptr=a, V="i32", K="i32", stride_zn="i32",
-                    stride_gn="i32", inv_t="fp32", temperature="fp32", v_per_prog="i32"),
+                    stride_gn="i32", inv_t="fp64", temperature="fp64", v_per_prog="i32"),
                dict(NORMALIZE=normalize, HAS_CE=ce, HAS_GL=True, HAS_GT=True, ACC=accs[acc], BLOCK_V=4096,
                     BLOCK_K=64, **({} if ce else dict(lab_ptr=None, lse1_ptr=None))))
+    for w, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
+        for project in (True, False):
+            yield (f"sae unit rows w={w} project={project}", sae._unit_rows_kernel,
+                   dict(w_ptr="*" + w, g_ptr="*" + w, D="i32", stride_wf="i32", stride_wd="i32", stride_gf="i32",
+                        stride_gd="i32", eps="fp64"),
+                   dict(PROJECT=project, ACC=accs[acc], BLOCK_D=1024))
+    for acc, reduction, ce in itertools.product(("fp32", "fp64"), (0, 1, 2), (False, True)):
+        a = "*" + acc
+        yield (f"kd reduce acc={acc} reduction={reduction} ce={ce}", kd._kd_reduce_kernel,
+               dict(tok_ptr=a, ce_ptr=a, flag_ptr=a, lab_ptr="*i64", items_ptr=a, loss_ptr=a, scale_ptr=a, N="i32",
+                    items_value="fp64", ce_weight="fp64"),
+               dict(REDUCTION=reduction, HAS_TOK=True, HAS_CE=ce, HAS_ITEMS=reduction == 2, ACC=accs[acc], BLOCK=1024,
+                    **({} if ce else dict(ce_ptr=None, lab_ptr=None))))
+
+
+def fp64_arithmetic(ptx: str) -> list:
+    """The float64 instructions of a kernel other than reading a float64 argument and rounding it:
+    a float32 kernel with any would do its math in float64 (an fp64-typed scalar used untyped)."""
+    return [line.strip() for line in ptx.splitlines()
+            if ".f64" in line and not line.strip().startswith(("ld.param.f64", "cvt.rn.f32.f64", "//", ".param"))]
 
 
 def main() -> int:
     n = 0
     for name, fn, types, const in variants():
         try:
-            compile_one(fn, types, const)
+            kernel = compile_one(fn, types, const)
         except Exception as e:  # noqa: BLE001 - report which variant, then fail
             print(f"FAILED: {name}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        if const.get("ACC") is tl.float32 and fp64_arithmetic(kernel.asm["ptx"]):
+            print(f"FAILED: {name}: float64 arithmetic in a float32 kernel: {fp64_arithmetic(kernel.asm['ptx'])[:3]}",
+                  file=sys.stderr)
             return 1
         n += 1
     print(f"compiled {n} kernel variants for sm_90")

@@ -14,7 +14,6 @@ ordinary path.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 
@@ -79,15 +78,6 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
-
-
-@functools.lru_cache(maxsize=64)
-def scalar_arg(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``value`` as a 0-dim tensor of ``dtype`` on ``device``, for a kernel to ``tl.load``. Triton
-    types a Python float argument as fp32, on the GPU and in the interpreter alike, so a float64
-    kernel would see it rounded (and a value below fp32's range as 0). Cached: it is the same every
-    step, and a fresh one would cost a launch. Read only."""
-    return torch.full((), value, dtype=dtype, device=device)
 
 
 def launch(fn, grid, args, meta, num_warps, num_stages=None):

@@ -155,14 +155,15 @@ def _kd_topk_kernel(
     scale_ptr,  # [2] ACC: per-token weight of the reduction (IS_BWD)
     N,
     K,
-    inv_t,
-    temperature,
+    inv_t: tl.float64,  # 1 / T (typed: Triton would make a plain float argument fp32)
+    temperature: tl.float64,
     IS_BWD: tl.constexpr,
     HAS_GT: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    inv_t, temperature = tl.full([], inv_t, ACC), tl.full([], temperature, ACC)
     i_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)
     m_n = i_n < N
@@ -216,8 +217,8 @@ def _kd_row_fwd_kernel(
     K,
     stride_zn,
     stride_bn,
-    inv_t,
-    temperature,
+    inv_t: tl.float64,  # 1 / T (typed: Triton would make a plain float argument fp32)
+    temperature: tl.float64,
     NORMALIZE: tl.constexpr,
     HAS_CE: tl.constexpr,
     SEP_CE: tl.constexpr,  # the cross-entropy needs its own logsumexp (T != 1 or "topk")
@@ -225,6 +226,7 @@ def _kd_row_fwd_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    inv_t, temperature = tl.full([], inv_t, ACC), tl.full([], temperature, ACC)
     i_n = tl.program_id(0).to(tl.int64)
     p_z = z_ptr + i_n * stride_zn
     b_lse = 0.0
@@ -315,8 +317,8 @@ def _kd_row_bwd_kernel(
     K,
     stride_zn,
     stride_gn,
-    inv_t,
-    temperature,
+    inv_t: tl.float64,  # 1 / T (typed: Triton would make a plain float argument fp32)
+    temperature: tl.float64,
     v_per_prog,
     NORMALIZE: tl.constexpr,
     HAS_CE: tl.constexpr,
@@ -331,6 +333,7 @@ def _kd_row_bwd_kernel(
     in place), with a barrier between, and stored after another; slots sharing a column carry the
     same total, so duplicate stores agree. "topk" and "full" slots add their corrections to the dense term;
     "tail" slots carry their whole value (A there is the coefficient of the columns off the slots)."""
+    inv_t, temperature = tl.full([], inv_t, ACC), tl.full([], temperature, ACC)
     i_n = tl.program_id(0).to(tl.int64)
     v_lo = tl.program_id(1).to(tl.int64) * v_per_prog
     v_hi = tl.minimum(v_lo + v_per_prog, V)
@@ -428,8 +431,8 @@ def _kd_hidden_topk_kernel(
     V,
     K,
     stride_wv,
-    inv_t,
-    temperature,
+    inv_t: tl.float64,  # 1 / T (typed: Triton would make a plain float argument fp32)
+    temperature: tl.float64,
     HAS_BIAS: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     NEED_GH: tl.constexpr,
@@ -439,6 +442,7 @@ def _kd_hidden_topk_kernel(
 ):
     """"topk" from hidden states: z_k = <h, W[i_k]> (+ b[i_k]) for the K slots only, then the math
     core, then grad_hidden = sum_k g_k W[i_k] in a second sweep over the same rows."""
+    inv_t, temperature = tl.full([], inv_t, ACC), tl.full([], temperature, ACC)
     i_n = tl.program_id(0).to(tl.int64)
     o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     p_w = w_ptr + b_ids * stride_wv  # [BLOCK_K]
@@ -541,8 +545,8 @@ def _kd_reduce_kernel(
     loss_ptr,  # [] ACC out (HAS_TOK)
     scale_ptr,  # [2] ACC out: per-token weights of the KD and CE terms
     N,
-    items_value,
-    ce_weight,
+    items_value: tl.float64,  # (typed: Triton would make a plain float argument fp32)
+    ce_weight: tl.float64,
     REDUCTION: tl.constexpr,  # 0 sum, 1 mean over tokens with an unmasked slot (CE: over labels), 2 items
     HAS_TOK: tl.constexpr,
     HAS_CE: tl.constexpr,
@@ -552,6 +556,7 @@ def _kd_reduce_kernel(
 ):
     """One program: the reduction's denominators (on the device, no host sync) and the loss, summed
     in a fixed order."""
+    items_value, ce_weight = tl.full([], items_value, ACC), tl.full([], ce_weight, ACC)
     b_n = tl.zeros([BLOCK], dtype=ACC)
     b_nc = tl.zeros([BLOCK], dtype=ACC)
     b_s = tl.zeros([BLOCK], dtype=ACC)

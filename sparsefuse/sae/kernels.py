@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import cdiv, launch, next_pow2, scalar_arg
+from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
 from .._validate import check_index_range
@@ -480,7 +480,7 @@ def _unit_rows_kernel(
     stride_wd,
     stride_gf,
     stride_gd,
-    eps_ptr,  # [] ACC: the norm's floor
+    eps: tl.float64,  # the norm's floor (typed: Triton would make a plain float argument fp32)
     PROJECT: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -499,7 +499,7 @@ def _unit_rows_kernel(
         b_ww += b_w * b_w
         if PROJECT:
             b_gw += tl.load(p_g + o_d.to(tl.int64) * stride_gd, mask=m_d, other=0).to(ACC) * b_w
-    inv = 1 / tl.maximum(tl.sqrt(tl.sum(b_ww, axis=0)), tl.load(eps_ptr))
+    inv = 1 / tl.maximum(tl.sqrt(tl.sum(b_ww, axis=0)), tl.full([], eps, ACC))
     coef = tl.sum(b_gw, axis=0) * inv * inv
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
@@ -742,9 +742,8 @@ def unit_rows_(weight, grad, eps):
     if F == 0 or D == 0:
         return
     g = weight if grad is None else grad
-    acc = acc_dtype(weight, grad)
-    _launch(_unit_rows_kernel, (F,), weight, g, D, *_weight_strides(weight), *_weight_strides(g),
-            scalar_arg(float(eps), acc, weight.device), PROJECT=grad is not None, ACC=_tl_dtype(acc),
+    _launch(_unit_rows_kernel, (F,), weight, g, D, *_weight_strides(weight), *_weight_strides(g), float(eps),
+            PROJECT=grad is not None, ACC=_tl_dtype(acc_dtype(weight, grad)),
             BLOCK_D=min(next_pow2(D), 1024), num_warps=4)
 
 
