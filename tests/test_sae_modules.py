@@ -396,7 +396,7 @@ def test_row_ops_take_eps_in_the_accumulation_dtype(dtype, eps):
     want_w, want_g = w.clone(), g.clone()
     reference.unit_rows_(want_w, None, eps)
     reference.unit_rows_(w, want_g, eps)
-    w, g = w.to(DEVICE, dtype), g.to(DEVICE, dtype)
+    w, g, want_w, want_g = w.to(DEVICE, dtype), g.to(DEVICE, dtype), want_w.to(DEVICE), want_g.to(DEVICE)
     got_g = remove_parallel_component_(g.clone(), w, eps)
     got_w = normalize_rows_(w.clone(), eps)
     assert got_w.isfinite().all() and got_g.isfinite().all()
