@@ -182,20 +182,19 @@ class TopKSAE(nn.Module):
                 would be a host sync). Default: that of this batch (detached). The trainer passes the
                 variance of the whole data set, which keeps the loss linear in the rows of a batch
                 (so data-parallel training matches one process exactly).
-            auxk_latents: ``[C]`` int32 or int64, the latents AuxK may choose from, for a caller
-                that knows a superset of the dead ones (not checked: that would be a host sync),
-                each in ``[0, F)`` and listed once. Where index checks run (see
-                :func:`sparsefuse.set_index_checks`) an id out of range or listed twice raises;
-                unchecked, an id out of range makes ``auxk_loss`` NaN, and one listed twice may be
-                picked twice.
-                AuxK then selects among these C columns, at most ``n = min(k_aux, C)`` latents a
-                row, and an empty tensor skips it (``auxk_loss`` is 0). The loss and gradients are
-                those of the search over all latents (to rounding): the latents left out are alive,
-                so AuxK gives them 0. That search costs a top-``k_aux`` selection over ``[B, F]``
-                and two sparse products over ``k_aux`` (default D / 2) latents a row, whether or not
-                any latent is dead. Over few candidates (C <= ``AUXK_DENSE_RATIO`` * n) AuxK runs
-                as two dense ``[B, C]`` products instead. None (default): all latents. The trainer
-                bounds the dead-latent clock on the host.
+            auxk_latents: ``[C]`` int32 or int64, the latents AuxK may choose from, for a caller that
+                knows a superset of the dead ones (that it is one is not checked: reading the dead mask
+                would be a host sync). Each id lies in ``[0, F)`` and appears once: where index checks
+                run (see :func:`sparsefuse.set_index_checks`) either fault raises; unchecked, an id out
+                of range makes ``auxk_loss`` and its gradients NaN, and one listed twice may be picked
+                twice. AuxK then selects among these C columns, at most ``n = min(k_aux, C)`` latents a
+                row, and an empty tensor skips it (``auxk_loss`` is 0). The loss and gradients are those
+                of the search over all latents (to rounding): the latents left out are alive, so AuxK
+                gives them 0. That search costs a top-``k_aux`` selection over ``[B, F]`` and two sparse
+                products over ``k_aux`` (default D / 2) latents a row, whether or not any latent is
+                dead. Over few candidates (C <= ``AUXK_DENSE_RATIO`` * n) AuxK runs as two dense
+                ``[B, C]`` products instead. None (default): all latents. The trainer bounds the dead-latent
+                clock on the host.
         """
         check_tensor("x", x, shape=(None, self.d_model), dtypes=FLOAT_DTYPES, device=self.W_enc.device)
         if auxk_latents is not None:
