@@ -35,10 +35,11 @@ def set_index_checks(enabled: Optional[bool]) -> None:
       argument, at the cost of one sync per call on a GPU. Use it while debugging a data pipeline.
     * ``False``: check nowhere.
 
-    Unchecked or not, kernels never read or write out of bounds: an out-of-range index turns every
-    output that depends on it into NaN (never into a plausible number) and contributes nothing to
-    the weight gradient. The ops' PyTorch implementations (CPU tensors without the Triton
-    interpreter) do the same.
+    Unchecked or not, kernels never read or write out of bounds: an out-of-range index is never
+    dereferenced, and every output that depends on it becomes NaN (never a plausible number). That
+    includes weight-gradient rows fed by its NaN: the other latents of its SAE row, and the whole
+    LM-head gradient from hidden states (except ``normalize="topk"`` without cross-entropy). The
+    ops' PyTorch implementations (CPU tensors without the Triton interpreter) do the same.
     ``SPARSEFUSE_CHECK_INDICES=1`` / ``0`` sets the mode from the environment.
     """
     global _check_indices

@@ -1128,14 +1128,16 @@ for call in (lambda ids: sparsefuse.topk_kd_loss_from_logits(z, ids, t, normaliz
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-def test_profile_topk_stages_run(monkeypatch):
-    """``python -m sparsefuse.kd.profile`` (GPU) calls kernels by name: run its "topk" stages once on
-    tiny inputs, timing stubbed out, so a renamed kernel fails here."""
+def test_profile_runs(monkeypatch, capsys):
+    """``python -m sparsefuse.kd.profile`` (GPU) calls kernels and launchers by name: run every stage
+    once on tiny CPU inputs, timing stubbed out, so a renamed kernel or a changed signature fails
+    here (the row forward once took one output fewer than the launcher unpacks)."""
     from sparsefuse.kd import profile
 
-    monkeypatch.setattr(profile, "do_bench", lambda fn, **kw: (fn(), 0.0)[1])
-    d = make(3, 2, 20, H=8, dtype=torch.float32)
-    profile.topk_stages(d["h"], d["w"], d["ids"], d["t"], d["m"])
+    monkeypatch.setattr(profile, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    profile.main(N=6, H=8, V=20, K=2, dtype=torch.float32, dev="cpu", iters=1)
+    out = capsys.readouterr().out
+    assert "failed" not in out and "ratio 5.000" in out and "host torch.empty x2" in out, out
 
 
 # --- GPU tier -------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """``sparsefuse bench vq``: EMA codebook update, nearest-code search, one VectorQuantizer step.
 
 * ``ema_active`` / ``ema_laplace``: :func:`sparsefuse.vq_ema_update` against the five-step one-hot
-  PyTorch update (``reference.ema_update`` with a plain ``torch.randperm`` row picker) in eager mode
-  and under ``torch.compile``, at (B, K, D) = (640, 256, 64), (16384, 1024, 128), (65536, 1024, 128),
-  (32768, 4096, 256); x float32.
+  PyTorch update (``reference.ema_update`` with a plain ``torch.randperm`` row picker) in eager mode,
+  and for ``ema_active`` also under ``torch.compile``, at (B, K, D) = (640, 256, 64),
+  (16384, 1024, 128), (65536, 1024, 128), (32768, 4096, 256); x float32.
   Each EMA case is timed in three round-robin rounds and keeps its median round (every provider
   alike): the eager update is host-bound and one-off medians moved 3x between runs on the H200 host.
   The ``vq_step`` cases (below) get the same three rounds.

@@ -56,7 +56,8 @@ _WG_CONFIGS = [triton.Config(dict(BLOCK_H=16), num_warps=1)] if INTERPRET else W
 _REDUCE_BLOCK = 64 if INTERPRET else 1024
 _TOPK_WARPS = 4
 _SCALE_BLOCK = 1024 if INTERPRET else 8192
-#: Target size of one chunk of logits in the from-hidden path (chunk rows = this / (V * itemsize)).
+#: Upper bound on one chunk of logits in the from-hidden path: chunk rows = the largest power of two
+#: <= this / (V * itemsize): 128-256 MiB a chunk (less when all N rows fit, more when one row is larger).
 CHUNK_BYTES = 256 * 2**20
 IGNORE = tl.constexpr(IGNORE_INDEX)
 

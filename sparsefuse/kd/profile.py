@@ -16,10 +16,9 @@ from . import kernels
 from .reference import acc_dtype
 
 
-def main(N=8192, H=4096, V=128256, K=64, dtype=torch.bfloat16):
+def main(N=8192, H=4096, V=128256, K=64, dtype=torch.bfloat16, dev="cuda", iters=300):
     from ..bench.kd import make_targets
 
-    dev = "cuda"
     ids, t, m = make_targets(N, K, V, dev)
     h = torch.randn(N, H, device=dev).to(dtype)
     w = (torch.randn(V, H, device=dev) / H**0.5).to(dtype)
@@ -38,7 +37,7 @@ def main(N=8192, H=4096, V=128256, K=64, dtype=torch.bfloat16):
     rows = dict(
         mm_fwd=lambda: torch.mm(h[:C], w.t(), out=z),
         row_fwd=lambda: kernels._row_fwd(z, ids[:C], t[:C], m8[:C], None, 1, 1.0, acc,
-                                         (tok, flags, lse, A, corr, None, None)),
+                                         (tok, flags, lse, A, corr, None, None, None)),
         row_bwd=lambda: kernels._row_bwd(z, z, ids[:C], m8[:C], None, lse, A, corr, None, None, None, scale, 1, 1.0),
         mm_gh=lambda: torch.mm(z, w, out=gh[:C]),
         mm_gw=lambda: gw.addmm_(z.t(), h[:C]),
@@ -56,7 +55,7 @@ def main(N=8192, H=4096, V=128256, K=64, dtype=torch.bfloat16):
     del g, z
     torch.cuda.empty_cache()
     topk_stages(h, w, ids, t, m)
-    gathered_overhead(N, K)
+    gathered_overhead(N, K, iters, dev)
 
 
 def topk_stages(h, w, ids, t, m):
@@ -102,7 +101,7 @@ def topk_stages(h, w, ids, t, m):
           f"config {kernels._kd_weight_grad_kernel.best_config}")
 
 
-def gathered_overhead(N, K, iters=300):
+def gathered_overhead(N, K, iters=300, dev="cuda"):
     """Host time per call of the gathered loss (it is launch-bound at [8192, 64])."""
     import time
 
@@ -110,7 +109,6 @@ def gathered_overhead(N, K, iters=300):
     from ..bench.kd import _ref_gathered
     from . import ops
 
-    dev = "cuda"
     ids, t, m = make_targets_small(N, K, dev)
     z = torch.randn(N, K, device=dev).to(torch.bfloat16).requires_grad_()
     zd = z.detach()
@@ -120,14 +118,18 @@ def gathered_overhead(N, K, iters=300):
     acc = torch.float32
     tok, flags = torch.empty(N, device=dev), torch.empty(N, device=dev)
 
+    def sync():
+        if torch.device(dev).type == "cuda":
+            torch.cuda.synchronize()
+
     def host_us(fn):
         for _ in range(10):
             fn()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - t0) / iters * 1e6
 
     rows = {
@@ -138,7 +140,7 @@ def gathered_overhead(N, K, iters=300):
         "launchers fwd+bwd": lambda: kernels.topk_bwd(one, None, zd, t, m, kernels.topk_fwd(zd, t, m, 1.0, 1, None,
                                                                                              1.0)[2], 1.0),
         "one reduce launch": lambda: kernels.reduce(tok, None, flags, None, 1, None, 1.0, 0.0, acc),
-        "one topk launch": lambda: kernels._kd_topk_kernel[(N // 64,)](
+        "one topk launch": lambda: kernels._kd_topk_kernel[(cdiv(N, 64),)](
             zd, t, m8, tok, flags, None, None, None, None, N, K, 1.0, 1.0, IS_BWD=False, HAS_GT=False,
             ACC=kernels._tl_dtype(acc), BLOCK_N=64, BLOCK_K=64),
         "torch.empty x2": lambda: (torch.empty(N, device=dev), torch.empty(N, device=dev)),

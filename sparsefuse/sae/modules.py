@@ -91,8 +91,9 @@ class TopKSAE(nn.Module):
         seed: seed of the initialisation (the global RNG is left alone).
 
     Initialisation: encoder rows uniform in ``[-1/sqrt(D), 1/sqrt(D)]``, decoder = the encoder's
-    transpose (same rows) scaled to unit norm, biases zero (the trainer sets ``b_dec`` to the data
-    mean). Parameters are float32 unless moved; use ``torch.autocast`` for bfloat16 compute.
+    transpose (same rows), scaled to unit norm when ``normalize_decoder``, biases zero (the trainer
+    sets ``b_dec`` to the data mean). Parameters are in ``dtype`` (default float32); use
+    ``torch.autocast`` for bfloat16 compute on float32 parameters.
     """
 
     def __init__(

@@ -1,10 +1,11 @@
 """Triton kernels for the VQ codebook ops, and the launchers that allocate and launch them.
 
 Notation: L levels, B rows, K codes, D dims. The EMA state is float32 and contiguous, shaped
-``[L, K, D]`` / ``[L, K]`` (a single codebook is L = 1); x is ``[L, B, D]`` in float32, bfloat16 or
-float16. See ``reference.py`` for the exact semantics.
+``[L, K, D]`` / ``[L, K]`` (a single codebook is L = 1); x is ``[L, B, D]`` in float32, bfloat16,
+float16 or float64 (summed in float32). See ``reference.py`` for the exact semantics.
 
-EMA update, two kernels (three under DDP), no B x K one-hot, no host sync:
+EMA update, two kernels (deterministic mode sorts the rows by code first and adds the chunk-sum
+kernel of ``_segsum.py``; DDP adds a restart kernel), no B x K one-hot, no host sync:
 
 * ``_vq_ema_accumulate_kernel`` (grid: row blocks x levels) adds each row of x into its code's
   fp32 sum and count with atomics; ``_vq_ema_segment_kernel`` (grid: codes x levels, rows sorted by
@@ -23,7 +24,7 @@ EMA update, two kernels (three under DDP), no B x K one-hot, no host sync:
   (ranks may differ in B), so the global row count and this rank's first row, and with them the
   Feistel width, are computed in the kernel.
 
-Nearest-code search: ``_nearest_code_kernel`` keeps a block of rows on chip and walks the codebook
+Nearest-code search: ``_nearest_code_fwd_kernel`` keeps a block of rows on chip and walks the codebook
 in tiles, computing ||c||^2 - 2 x.c with ``tl.dot`` and keeping a running (min, argmin) per row: the
 B x K matrix never exists. A NaN score ranks first (as in ``torch.argmin``) and gives a NaN distance;
 NaN scores are found from the norms of the rows and codes (a NaN entry makes its norm NaN).

@@ -200,7 +200,9 @@ def vq_ema_update(
     restart_after_steps: int = 0, generator: Optional[torch.Generator] = None, process_group=None,
     deterministic: Optional[bool] = None, _check_codes: bool = True,
 ) -> None:
-    """EMA codebook update with dead-code restart, in place, in two kernel launches.
+    """EMA codebook update with dead-code restart, in place: two kernel launches by default (the
+    deterministic mode adds a sort and a chunk-sum launch; under DDP, an all-reduce and a restart
+    kernel).
 
     Args:
         x: ``[B, D]`` rows that were quantised (float32, bfloat16, float16 or float64; summed in
