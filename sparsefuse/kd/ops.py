@@ -426,9 +426,9 @@ def topk_kd_loss_from_hidden(
     ``logits = hidden @ lm_head_weight.T (+ lm_head_bias)`` is never materialised for all tokens:
     tokens go in chunks (``chunk_size`` rows; by default a power of two, 128-256 MiB of logits); each
     chunk's logits come from a cuBLAS matmul, a Triton kernel computes the loss and overwrites them
-    with their gradient in place, and two more matmuls accumulate grad_hidden and the weight gradient (in the
-    weight's dtype). ``normalize="topk"`` without cross-entropy only reads the K weight rows of each
-    token and never touches V. Gradients are computed in the forward pass (for an incoming
+    with their gradient in place, and two more matmuls accumulate grad_hidden and the weight
+    gradient (in the weight's dtype). ``normalize="topk"`` without cross-entropy only reads the K
+    weight rows of each token and never touches V. Gradients are computed in the forward pass (for an incoming
     gradient of 1) and rescaled in place on the device in the backward; a further backward through
     a retained graph (``retain_graph=True``) scales copies instead (the first such backward takes
     them), so it is exact too and leaves the gradients already returned unchanged, unless the first
