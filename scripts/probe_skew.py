@@ -3,7 +3,10 @@ vocab tile or code) behave when a few segments hold most of the entries. Writes 
 
 * SAE TopK and Hierarchical (deterministic and default), B=4096 F=65536 D=2304 K=64: uniform latents
   against "dense latents", the first ``hot`` latents of every row drawn from ``hot`` features that
-  every row uses (dense latents are common in trained TopK SAEs).
+  every row uses (dense latents are common in trained TopK SAEs); and (session 31) latents drawn
+  without replacement from a Zipf(alpha) law over the features (alpha = 0.8 and 1.0; frequent
+  features at random ids, each row's latents in random order), a smoother skew than 8 latents in
+  every row: with alpha = 1 about ten features are in half the rows.
 * KD from hidden states, N=8192 H=4096 V=128256 K=64 bf16: uniform teacher ids against ids drawn
   without replacement from a Zipf(1) law over the vocabulary in id order (frequent tokens have small
   ids in BPE vocabularies, so they share the first vocab tiles).
@@ -13,6 +16,8 @@ vocab tile or code) behave when a few segments hold most of the entries. Writes 
 For a before / after comparison on one machine, run it alternately with the old and the new tree
 first on PYTHONPATH (the JSON records which ``sparsefuse`` it imported). argv[2], optional, picks
 the families (default "sae,kd,vq"); "prof" adds the device time per kernel of the uniform TopK steps.
+argv[3], optional, is the SAE K (default 64); argv[4], optional, the SAE labels to time (default all:
+"uniform,dense8,zipf0.8,zipf1.0").
 """
 import json
 import statistics
@@ -38,8 +43,24 @@ def bench(name, fn, rounds=3):
     print(f"{name}: {out[name]:.3f} ms", flush=True)
 
 
+def zipf_latents(B, K, F, alpha, dtype):
+    """[B, K] distinct ids a row, drawn from p(rank r) ~ r^-alpha; ranks mapped to random ids."""
+    p = torch.arange(1, F + 1, device="cuda", dtype=torch.float32).pow(-alpha)
+    ranks = torch.cat([torch.multinomial(p.expand(512, F), K, replacement=False) for _ in range(B // 512)])
+    ids = torch.randperm(F, device="cuda")[ranks]
+    ids = ids.gather(1, torch.argsort(torch.rand(B, K, device="cuda"), dim=1))
+    rows_with = torch.bincount(ids.flatten(), minlength=F).float() / B
+    out[f"zipf{alpha} share of rows: top feature, features in > 10% / > 50%"] = s = [
+        rows_with.max().item(), int((rows_with > 0.1).sum()), int((rows_with > 0.5).sum())]
+    print(f"zipf{alpha} share of rows: top feature, features in > 10% / > 50%:", s, flush=True)
+    return ids.to(dtype)
+
+
 def sae():
-    B, K, F, D = 4096, 64, 65536, 2304
+    B, F, D = 4096, 65536, 2304
+    K = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    labels = sys.argv[4].split(",") if len(sys.argv) > 4 else ["uniform", "dense8", "zipf0.8", "zipf1.0"]
+    zipf = {a: zipf_latents(B, K, F, a, torch.int64) for a in (0.8, 1.0) if f"zipf{a}" in labels}
     for dt in (torch.float32, torch.bfloat16):
         idx, w, v, b, t = make_inputs(B, K, F, D, dt, "cuda")
         hot = 8
@@ -49,7 +70,8 @@ def sae():
         dense[:, hot:] = torch.where(dense[:, hot:] >= F - hot, dense[:, hot:] % (F - hot), dense[:, hot:])
         ps = [w.requires_grad_(), v.requires_grad_(), b.requires_grad_()]
         name = str(dt).split(".")[-1]
-        for label, ids in (("uniform", idx), ("dense8", dense)):
+        cases = dict(uniform=idx, dense8=dense, **{f"zipf{a}": z.to(idx.dtype) for a, z in zipf.items()})
+        for label, ids in ((lab, cases[lab]) for lab in labels):
             topk = lambda ids=ids: torch.autograd.grad(sf.topk_sae_loss(ids, w, v, b, t), ps)  # noqa: E731
             if "prof" in families and label == "uniform":
                 kernel_times(f"sae topk {name} {label}", topk)
