@@ -347,12 +347,16 @@ def test_gradcheck_temperature(normalize):
     assert torch.autograd.gradcheck(lambda x: sparsefuse.topk_kd_loss(x, d["t"], d["m"], temperature=0.6), (zk,))
 
 
-def test_gradcheck_from_hidden():
+@pytest.mark.parametrize("normalize,ce_weight", [("tail", 0.4), ("full", 0.4), ("topk", 0.0)],
+                         ids=["tail-ce", "full-ce", "topk-gather"])
+def test_gradcheck_from_hidden(normalize, ce_weight):
+    """Finite differences through the chunked row kernels, and through the gather kernel ("topk"
+    without cross-entropy reads only the K weight rows of each token)."""
     d = make(3, 2, 6, H=3)
     h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
     fn = lambda h, w, b: sparsefuse.topk_kd_loss_from_hidden(  # noqa: E731
-        h, w, d["ids"], d["t"], d["m"], normalize="tail", temperature=1.9, lm_head_bias=b, labels=d["labels"],
-        ce_weight=0.4, chunk_size=2)
+        h, w, d["ids"], d["t"], d["m"], normalize=normalize, temperature=1.9, lm_head_bias=b,
+        labels=d["labels"] if ce_weight else None, ce_weight=ce_weight, chunk_size=2)
     assert torch.autograd.gradcheck(fn, (h, w, b))
 
 
@@ -711,6 +715,25 @@ def test_compile_fullgraph():
     compare(got, want, torch.float32, ["loss", "grad_z", "grad_h", "grad_w"])
 
 
+@pytest.mark.parametrize("normalize", ["full", "topk"])
+def test_compile_fullgraph_from_hidden_with_bias(normalize):
+    """The LM-head bias branch (its fake, its gradient) under torch.compile(fullgraph=True), with and
+    without the gather-only path ("topk" without cross-entropy)."""
+    d = make(6, 3, 37, dtype=torch.float32, dup=False)
+
+    def fn(h, w, b):
+        return sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize,
+                                                   lm_head_bias=b, chunk_size=4)
+
+    params = [leaf(d["h"]), leaf(d["w"]), leaf(d["b"])]
+    want = grads(fn(*params), params)
+    params = [leaf(d["h"]), leaf(d["w"]), leaf(d["b"])]
+    torch._dynamo.reset()
+    got = grads(torch.compile(fn, fullgraph=True)(*params), params)
+    assert want[3].abs().sum() > 0
+    compare(got, want, torch.float32, ["loss", "grad_h", "grad_w", "grad_b"])
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_fullgraph_with_options_that_change(dynamic):
     """A temperature schedule and a per-step ``num_items_in_batch`` (gradient accumulation) change
@@ -752,6 +775,11 @@ def test_opcheck():
     h, w = d["h"], d["w"]
     torch.library.opcheck(ops.kd_hidden, (h, w, None, d["ids"], d["t"], m, d["labels"], 1, 1.0, 1, None, 1.0, 0.5,
                                           False, False, False, 4), test_utils=("test_schema", "test_faketensor"))
+    # with an LM-head bias and its gradient; then the in-place rescale of the forward's gradients
+    args = (h, w, d["b"], d["ids"], d["t"], m, d["labels"], 2, 1.5, 1, None, 1.0, 0.5, True, True, True, 4)
+    torch.library.opcheck(ops.kd_hidden, args, test_utils=("test_schema", "test_faketensor"))
+    _, _, gh, gw, gb, applied = ops.kd_hidden(*args)
+    torch.library.opcheck(ops.kd_hidden_bwd, (torch.tensor(0.7, device=DEVICE), gh, gw, gb, applied))
 
 
 def test_opcheck_column_major_inputs():

@@ -147,6 +147,32 @@ def test_auxk_runs_dense_over_few_candidates(monkeypatch):
         assert len(calls) == 1 + gathers, (cols, calls)
 
 
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+@pytest.mark.parametrize("candidates", [False, True], ids=["all-latents", "auxk-latents"])
+def test_module_compiles_fullgraph(hierarchical, encoder, candidates):
+    """``torch.compile(model, fullgraph=True)``: the loss parts, the latents and every parameter's
+    gradient match eager mode, with dead latents so that AuxK runs (over all latents, or over
+    candidates given as ``auxk_latents``)."""
+    import copy
+
+    m, x = _model(hierarchical, encoder=encoder, auxk_alpha=0.5, dead_tokens=100, k_aux=6), _x()
+    dead = torch.tensor([2, 9, 15, 21], device=DEVICE)
+    m.tokens_since_fired[dead] = 1000
+    kw = dict(auxk_latents=torch.cat([dead, torch.tensor([0, 5], device=DEVICE)])) if candidates else {}
+    mc = copy.deepcopy(m)
+    torch._dynamo.reset()
+    want, got = m(x, **kw), torch.compile(mc, fullgraph=True)(x, **kw)
+    assert float(want.auxk_loss) > 0
+    assert torch.equal(got.indices, want.indices)
+    for name in ("loss", "recon_loss", "auxk_loss", "vals"):
+        assert_close(getattr(got, name), getattr(want, name).detach(), torch.float64, name)
+    gw = torch.autograd.grad(want.loss, list(m.parameters()))
+    gc = torch.autograd.grad(got.loss, list(mc.parameters()))
+    for (name, _), a, b in zip(m.named_parameters(), gc, gw):
+        assert_close(a, b, torch.float64, name)
+
+
 @pytest.mark.parametrize("bad, err, msg", [
     (torch.zeros(2, 2, dtype=torch.int64), ValueError, r"auxk_latents must have 1 dimensions, got shape \(2, 2\)"),
     (torch.zeros(2), TypeError, "auxk_latents has dtype float32; expected one of int32, int64"),

@@ -637,6 +637,19 @@ def test_ema_ops_opcheck():
         args = (x3, codebook[None].clone(), cs[None].clone(), es[None].clone(), cnt[None].clone(), stats, key,
                 0.9, 1e-5, 1.5, 1.5, 2, False, sizes, rank)
         torch.library.opcheck(torch.ops.sparsefuse.vq_ema_apply.default, args)
+    # DDP's tail: install the (summed) candidate rows of the dead codes; its result against the reference's
+    cand, dead = torch.ops.sparsefuse.vq_ema_apply(*args)
+    assert dead.any() and not dead.all()
+    restart = (codebook[None].clone(), es[None].clone(), cand, dead, 1.5)
+    torch.library.opcheck(torch.ops.sparsefuse.vq_ema_restart.default, restart)
+    want = [t.clone() for t in restart[:2]]
+    reference.ema_restart(*want, cand, dead, 1.5)
+    torch.ops.sparsefuse.vq_ema_restart(*restart)
+    assert_close(restart[0], want[0], torch.float32, "codebook")
+    assert_close(restart[1], want[1], torch.float32, "embed_sum")
+    # the restart keys: random, so only the schema and the fake are checked
+    keys = torch.empty(2, 4, dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(torch.ops.sparsefuse.vq_draw_key.default, (keys,), test_utils=("test_schema", "test_faketensor"))
 
 
 def _compiled_update(x, codes, codebook, cs, es, cnt, generator=None):
@@ -938,6 +951,15 @@ def test_nearest_code_dist_is_differentiable(cosine, dtype):
         assert torch.isfinite(g0).all() and g0.abs().max() < 1e3
 
 
+@pytest.mark.parametrize("cosine", [False, True], ids=["l2", "cos"])
+def test_nearest_code_dist_gradcheck(cosine):
+    """Finite differences of dist in x and in the codebook (the chosen codes do not move under the
+    perturbation: random rows are far from a tie)."""
+    x, _, c, *_ = make(9, 5, 6, dtype=torch.float64)
+    inputs = (x.clone().requires_grad_(), c.double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda a, b: nearest_code(a, b, cosine=cosine)[1], inputs, eps=1e-6, atol=1e-7)
+
+
 def test_nearest_code_dist_after_an_in_place_codebook_update():
     """The backward of dist reads the saved codebook: an EMA-style in-place update before it raises
     PyTorch's in-place error instead of differentiating against moved codes; a backward that does not
@@ -1190,15 +1212,16 @@ def test_module_step_under_compile_dynamic(levels):
             assert_close(a, b, torch.float32, name) if a.is_floating_point() else assert_same(a, b, name)
 
 
-def test_residual_vq_gradient_under_compile():
-    """A training step of ResidualVQ under torch.compile(fullgraph=True): codes, loss, the update and
-    the gradient of the loss for x equal eager mode's. The level losses were built from the codebook
-    buffer, and the compiled backward recomputed them from the codebook after its in-place EMA
-    update (a gradient 8% off here)."""
+@pytest.mark.parametrize("levels", [None, 2], ids=["VectorQuantizer", "ResidualVQ"])
+def test_module_gradient_under_compile(levels):
+    """A training step of the modules under torch.compile(fullgraph=True): codes, loss, the update
+    and the gradients for x (of the loss, and of the straight-through output plus the loss) equal
+    eager mode's. ResidualVQ's level losses were built from the codebook buffer, and the compiled
+    backward recomputed them from the codebook after its in-place EMA update (a gradient 8% off)."""
     import copy
 
     torch.manual_seed(0)
-    m = ResidualVQ(2, 4, 6, decay=0.8).to(DEVICE)
+    m = (VectorQuantizer(4, 6, decay=0.8) if levels is None else ResidualVQ(levels, 4, 6, decay=0.8)).to(DEVICE)
     m2 = copy.deepcopy(m)
     x = torch.randn(7, 4, device=DEVICE)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -1206,10 +1229,14 @@ def test_residual_vq_gradient_under_compile():
     torch._dynamo.reset()
     out2, c2, l2 = torch.compile(m2, fullgraph=True)(x2)
     assert torch.equal(c1, c2)
+    assert_close(out2, out1, torch.float32, "output")
     assert_close(l2, l1, torch.float32, "loss")
     assert_close(m2.codebook, m.codebook, torch.float32, "updated codebook")
-    g1, g2 = torch.autograd.grad(l1, x1)[0], torch.autograd.grad(l2, x2)[0]
-    assert_close(g2, g1, torch.float32, "grad_x")
+    g1, g2 = torch.autograd.grad(l1, x1, retain_graph=True)[0], torch.autograd.grad(l2, x2, retain_graph=True)[0]
+    assert_close(g2, g1, torch.float32, "grad_x of the loss")
+    w = torch.randn(out1.shape, device=DEVICE)
+    g1, g2 = torch.autograd.grad((out1 * w).sum() + l1, x1)[0], torch.autograd.grad((out2 * w).sum() + l2, x2)[0]
+    assert_close(g2, g1, torch.float32, "grad_x of output and loss")
 
 
 def test_kmeans_init_passes_deterministic(monkeypatch):
