@@ -973,6 +973,24 @@ def test_bad_inputs():
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, lm_head_bias=d["b"].double())
 
 
+def test_module_under_compile():
+    """TopKKDLoss picks its form from its arguments (a floating second argument means gathered
+    log-probs): under torch.compile(fullgraph=True) each form gives eager mode's loss and gradients."""
+    d = make(6, 3, 37, dtype=torch.float32, dup=False)
+    tail, topk = sparsefuse.TopKKDLoss(normalize="tail", temperature=1.5), sparsefuse.TopKKDLoss(normalize="topk")
+
+    def fn(z, h, w, b):
+        return (tail(z, d["ids"], d["t"], d["m"]) + topk(z[:, :3], d["t"], d["m"])
+                + tail(h, d["ids"], d["t"], d["m"], lm_head_weight=w, lm_head_bias=b))
+
+    params = [leaf(d["z"]), leaf(d["h"]), leaf(d["w"]), leaf(d["b"])]
+    want = grads(fn(*params), params)
+    params = [leaf(d["z"]), leaf(d["h"]), leaf(d["w"]), leaf(d["b"])]
+    torch._dynamo.reset()
+    got = grads(torch.compile(fn, fullgraph=True)(*params), params)
+    compare(got, want, torch.float32, ["loss", "grad_z", "grad_h", "grad_w", "grad_b"])
+
+
 def test_module_refuses_options_of_the_hidden_form():
     """lm_head_bias, labels and ce_weight only act in the hidden-state form; elsewhere they were once
     ignored silently."""

@@ -621,6 +621,28 @@ def test_opcheck(op, layout):
     torch.library.opcheck(getattr(torch.ops.sparsefuse, op).default, args)
 
 
+@pytest.mark.parametrize("op", ["sae_decode_bwd", "topk_sae_loss_bwd", "hierarchical_sae_loss_bwd",
+                                "hierarchical_sae_loss_bwd-deterministic"])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_opcheck_backward_ops(op, layout):
+    """The backward ops on their own (the forward's opcheck reaches them only through its AOT test):
+    schema, fakes (contiguous gradients whatever the weight's layout) and AOT dispatch."""
+    idx, weight, vals, bias, target = make(3, 2, 4, 5, torch.float32)
+    if layout == "column-major":
+        weight = weight.t().contiguous().t()
+    ops, g = torch.ops.sparsefuse, torch.tensor(0.7, device=DEVICE)
+    if op == "sae_decode_bwd":
+        args = (torch.randn(3, 5, device=DEVICE), idx, vals, weight, True)
+    elif op == "topk_sae_loss_bwd":
+        _, resid, gv = ops.topk_sae_loss(idx, weight, vals, bias, target)
+        args = (g, idx, vals, weight, resid, gv, True, bias.dtype)
+    else:
+        deterministic = op.endswith("deterministic")
+        _, etot = ops.hierarchical_sae_loss(idx, weight, vals, bias, target, deterministic)
+        args = (g, idx, weight, vals, bias, target, etot, True, deterministic)
+    torch.library.opcheck(getattr(ops, op.split("-")[0]).default, args)
+
+
 @pytest.mark.parametrize("need_weight,deterministic", [(True, True), (True, False), (False, False)],
                          ids=["staged", "buffer", "no-weight-grad"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -1018,6 +1018,10 @@ def test_quantize_gradcheck_opcheck_compile():
     torch.library.opcheck(torch.ops.sparsefuse.vq_quantize.default, (xg, codes, c, 0.7))
     # a column-major x: the kernels' outputs and gradients are contiguous, and so are the fakes'
     torch.library.opcheck(torch.ops.sparsefuse.vq_quantize.default, (x.t().contiguous().t().requires_grad_(), codes, c, 0.7))
+    out, _ = torch.ops.sparsefuse.vq_quantize(x, codes, c, 0.7)  # the backward op alone, also for a column-major x
+    for xx in (x, x.t().contiguous().t()):
+        torch.library.opcheck(torch.ops.sparsefuse.vq_quantize_bwd.default,
+                              (torch.randn_like(x), torch.tensor(0.3, dtype=x.dtype, device=DEVICE), xx, out, 0.7))
     xf = x.float().requires_grad_()
     got = torch.compile(lambda t: quantize(t, codes, c.float(), 0.7), fullgraph=True)(xf)
     want = quantize(xf, codes, c.float(), 0.7)
