@@ -1176,12 +1176,12 @@ for call in (lambda ids: sparsefuse.topk_kd_loss_from_logits(z, ids, t, normaliz
 
 def test_profile_runs(monkeypatch, capsys):
     """``python -m sparsefuse.kd.profile`` (GPU) calls kernels and launchers by name: run every stage
-    once on tiny CPU inputs, timing stubbed out, so a renamed kernel or a changed signature fails
+    once on tiny inputs, timing stubbed out, so a renamed kernel or a changed signature fails
     here (the row forward once took one output fewer than the launcher unpacks)."""
     from sparsefuse.kd import profile
 
     monkeypatch.setattr(profile, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
-    profile.main(N=6, H=8, V=20, K=2, dtype=torch.float32, dev="cpu", iters=1)
+    profile.main(N=6, H=8, V=20, K=2, dtype=torch.float32, dev=DEVICE, iters=1)
     out = capsys.readouterr().out
     assert "failed" not in out and "ratio 5.000" in out and "host torch.empty x2" in out, out
 
@@ -1391,6 +1391,35 @@ def test_gpu_from_hidden_tokens_past_2_32():
     524288 past 2^32. About 17 GB (hidden and grad_hidden, 8.6 GB each)."""
     need_gpu_memory(24)
     _check_hidden_long(524300, 8, 4096, 8192, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", NORMS)
+@pytest.mark.parametrize("items", ["python", "tensor"])
+def test_gpu_step_makes_no_host_sync(normalize, items):
+    """Every form, forward and backward, with index checks at their default (off on CUDA): no host
+    sync, so a distillation step can run ahead of the GPU or be captured in a CUDA graph.
+    ``num_items_in_batch`` as a Python number and as a device tensor."""
+    d = make(64, 8, 1000, H=32, dtype=torch.bfloat16, device="cuda", dup=normalize != "tail")
+    z, h, w, b = leaf(d["z"]), leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    n = 300 if items == "python" else torch.tensor(300.0, device="cuda")
+
+    def step():
+        kw = dict(normalize=normalize, temperature=1.5, num_items_in_batch=n)
+        loss = (sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], **kw)
+                + sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], lm_head_bias=b,
+                                                      labels=d["labels"], ce_weight=0.5, chunk_size=16, **kw)
+                + sparsefuse.topk_kd_loss(z[:, :8], d["t"], d["m"], temperature=1.5, num_items_in_batch=n))
+        return torch.autograd.grad(loss, [z, h, w, b])
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.isfinite(g).all() for g in got)
 
 
 @pytest.mark.parametrize("check,args", [
