@@ -112,6 +112,21 @@ def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
     compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"])
 
 
+@pytest.mark.parametrize("N,K,V", SHAPES)
+@pytest.mark.parametrize("normalize", NORMS)
+@pytest.mark.parametrize("ce_weight", [0.0, 0.5])
+def test_from_hidden_shapes(N, K, V, normalize, ce_weight):
+    """The odd shapes of the logits tests (N = 1 with K = 1, V = K, sizes off every block) through the
+    fused LM head, loss and every gradient against float64."""
+    d = make(N, K, V, H=7, dtype=torch.float64, dup=normalize != "tail")
+    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
+    kw = dict(normalize=normalize, temperature=1.3, lm_head_bias=b, labels=d["labels"] if ce_weight else None,
+              ce_weight=ce_weight)
+    got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=2, **kw), [h, w, b])
+    want = grads(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], [h, w, b])
+    compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"])
+
+
 @pytest.mark.parametrize("normalize", NORMS)
 @pytest.mark.parametrize("ce_weight", [0.0, 0.5])
 def test_from_hidden_wide(normalize, ce_weight):
