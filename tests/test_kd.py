@@ -112,28 +112,17 @@ def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
     compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"])
 
 
-@pytest.mark.parametrize("N,K,V", SHAPES)
+@pytest.mark.parametrize("N,K,V,H", [pytest.param(*p.values, 7, id=p.id) for p in SHAPES]
+                         + [pytest.param(5, 4, 23, 300, id="N5-K4-V23-H300")])
 @pytest.mark.parametrize("normalize", NORMS)
 @pytest.mark.parametrize("ce_weight", [0.0, 0.5])
-def test_from_hidden_shapes(N, K, V, normalize, ce_weight):
-    """The odd shapes of the logits tests (N = 1 with K = 1, V = K, sizes off every block) through the
-    fused LM head, loss and every gradient against float64."""
-    d = make(N, K, V, H=7, dtype=torch.float64, dup=normalize != "tail")
-    h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
-    kw = dict(normalize=normalize, temperature=1.3, lm_head_bias=b, labels=d["labels"] if ce_weight else None,
-              ce_weight=ce_weight)
-    got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=2, **kw), [h, w, b])
-    want = grads(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], [h, w, b])
-    compare(got, want, torch.float64, ["loss", "grad_hidden", "grad_weight", "grad_bias"])
-
-
-@pytest.mark.parametrize("normalize", NORMS)
-@pytest.mark.parametrize("ce_weight", [0.0, 0.5])
-def test_from_hidden_wide(normalize, ce_weight):
-    """H = 300 spans several H tiles (32 wide under the interpreter, 128 on a GPU; the other CPU shapes
-    fit one): the hidden kernels' loops over H, forward and backward ("topk" without cross-entropy
-    takes the K-row gather kernel, the rest the vocabulary chunks)."""
-    d = make(5, 4, 23, H=300, dtype=torch.float64, dup=normalize != "tail")
+def test_from_hidden_shapes(N, K, V, H, normalize, ce_weight):
+    """Through the fused LM head, loss and every gradient against float64: the odd shapes of the
+    logits tests (N = 1 with K = 1, V = K, sizes off every block), and H = 300, which spans several
+    H tiles (32 wide under the interpreter, 128 on a GPU; the other shapes fit one): the hidden
+    kernels' loops over H, forward and backward ("topk" without cross-entropy takes the K-row
+    gather kernel, the rest the vocabulary chunks)."""
+    d = make(N, K, V, H=H, dtype=torch.float64, dup=normalize != "tail")
     h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
     kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"] if ce_weight else None,
               ce_weight=ce_weight)
