@@ -21,7 +21,7 @@ Outcome (one H100, benchmarks/logs/probe_zero_ahead_*_session31_h100.*): slower 
 backward in every configuration. ROWS > 1 puts ROWS tiles' worth of rows in flight and breaks the
 shared-slice L2 plan (5.2 against 2.9 ms at K = 128); with ROWS = 1 the claim counter costs what
 session 8 saw. STATIC (block index as the claim, relying on in-order dispatch) with ASM acquire
-loads came closest and still lost 0.1-0.23 ms. The first run timed ROWS in {1, 8, 16, 32} through the
+loads came closest and still lost 0.22-0.23 ms. The first run timed ROWS in {1, 8, 16, 32} through the
 counter; this file's loop is the second run's (STATIC, ASM, NZ, Z0).
 
     python scripts/probe_zero_ahead.py                              (GPU; writes $OUT/probe_zero_ahead.json)

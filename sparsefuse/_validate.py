@@ -36,10 +36,12 @@ def set_index_checks(enabled: Optional[bool]) -> None:
     * ``False``: check nowhere.
 
     Unchecked or not, kernels never read or write out of bounds: an out-of-range index is never
-    dereferenced, and every output that depends on it becomes NaN (never a plausible number). That
-    includes weight-gradient rows fed by its NaN: the other latents of its SAE row, and the whole
-    LM-head gradient from hidden states (except ``normalize="topk"`` without cross-entropy). The
-    ops' PyTorch implementations (CPU tensors without the Triton interpreter) do the same.
+    dereferenced, and the outputs that depend on it become NaN (never a plausible number). That
+    includes weight-gradient rows fed by its NaN: in the SAE losses, those of the other latents of
+    its row; from hidden states, the whole LM-head gradient. One exception: from hidden states with
+    ``normalize="topk"`` and no cross-entropy, the loss and the token's hidden-state gradient are NaN
+    but the bad slot is left out of the weight and bias gradients. The ops' PyTorch implementations
+    (CPU tensors without the Triton interpreter) do the same.
     ``SPARSEFUSE_CHECK_INDICES=1`` / ``0`` sets the mode from the environment.
     """
     global _check_indices

@@ -121,10 +121,13 @@ def test_from_hidden_shapes(N, K, V, H, normalize, ce_weight):
     logits tests (N = 1 with K = 1, V = K, sizes off every block), and H = 300, which spans several
     H tiles (32 wide under the interpreter, 128 on a GPU; the other shapes fit one): the hidden
     kernels' loops over H, forward and backward ("topk" without cross-entropy takes the K-row
-    gather kernel, the rest the vocabulary chunks)."""
+    gather kernel, the rest the vocabulary chunks). ("topk" at K = 1 has zero gradients: one slot
+    normalised over itself.)"""
     d = make(N, K, V, H=H, dtype=torch.float64, dup=normalize != "tail")
     h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
-    kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=d["labels"] if ce_weight else None,
+    labels = d["labels"].clone()
+    labels[0] = V - 1  # make() ignores the last token's label: with N = 1 there would be none left
+    kw = dict(normalize=normalize, temperature=1.5, lm_head_bias=b, labels=labels if ce_weight else None,
               ce_weight=ce_weight)
     got = grads(sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], chunk_size=2, **kw), [h, w, b])
     want = grads(ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], **kw)[0], [h, w, b])
@@ -1413,6 +1416,8 @@ def test_gpu_step_makes_no_host_sync(normalize, items):
         loss = (sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], **kw)
                 + sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], lm_head_bias=b,
                                                       labels=d["labels"], ce_weight=0.5, chunk_size=16, **kw)
+                # without cross-entropy "topk" takes the gather kernel instead of the vocabulary chunks
+                + sparsefuse.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], lm_head_bias=b, **kw)
                 + sparsefuse.topk_kd_loss(z[:, :8], d["t"], d["m"], temperature=1.5, num_items_in_batch=n))
         return torch.autograd.grad(loss, [z, h, w, b])
 
