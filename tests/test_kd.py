@@ -5,6 +5,7 @@ GPU tier (-m gpu): bfloat16 and float16, real vocabulary sizes, torch.compile.
 """
 
 import math
+import re
 import os
 import subprocess
 import sys
@@ -1051,6 +1052,13 @@ def test_scalar_options_are_checked():
         hid(ce_weight=torch.tensor(0.5))
     with pytest.raises(ValueError, match="ce_weight must be a non-negative finite number"):
         sparsefuse.TopKKDLoss(ce_weight=float("nan"))
+    # the module's other options are refused when it is built, not at its first call
+    for kw, msg in ((dict(normalize="x"), "normalize must be one of ('topk', 'full', 'tail'), got 'x'"),
+                    (dict(temperature=-1), "temperature must be a positive finite number, got -1"),
+                    (dict(temperature=float("inf")), "temperature must be a positive finite number, got inf"),
+                    (dict(reduction="none"), "reduction must be one of ('mean', 'sum'), got 'none'")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            sparsefuse.TopKKDLoss(**kw)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=r"chunk_size must be a positive integer or None \(automatic\)"):
             hid(chunk_size=bad)

@@ -1200,6 +1200,30 @@ def test_residual_vq_needs_a_level():
 
 
 @pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
+def test_module_refuses_bad_options_when_built(levels):
+    """dim=0 built a module whose first forward died in a reshape error, and a bad EMA option or
+    precision was only refused at the first training step; each is a ValueError naming it now."""
+    def build(*args, **kw):
+        return VectorQuantizer(*args, **kw) if levels is None else ResidualVQ(levels, *args, **kw)
+
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"dim must be a positive int, got {bad!r}")):
+            build(bad, 8)
+        with pytest.raises(ValueError, match=re.escape(f"codebook_size must be a positive int, got {bad!r}")):
+            build(4, bad)
+    for kw, msg in ((dict(decay=2.0), "decay must lie in [0, 1], got 2.0"),
+                    (dict(semantics="mean"), "semantics must be one of"),
+                    (dict(eps=0.0), "eps must be a positive finite number, got 0.0"),
+                    (dict(threshold=float("nan")), "threshold must be a non-negative finite number, got nan"),
+                    (dict(reset_cluster_size=-1.0), "reset_cluster_size must be a non-negative finite number"),
+                    (dict(restart_after_steps=2.5), "restart_after_steps must be a whole number of steps, got 2.5"),
+                    (dict(precision="tf32"), "precision must be one of ('exact', 'ieee', 'fast'), got 'tf32'")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            build(4, 8, **kw)
+    build(4, 8, decay=1.0, eps=1e-3, threshold=0.5, reset_cluster_size=0.0, restart_after_steps=3, precision="fast")
+
+
+@pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
 def test_module_step_under_compile_dynamic(levels):
     """A training step of the modules compiled with dynamic=True: the module's eps and decay reach
     the update as symbolic numbers (math.isfinite could not trace them). Same state and output as

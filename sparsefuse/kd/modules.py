@@ -7,7 +7,8 @@ from typing import Optional
 from torch import Tensor, nn
 
 from .._validate import check_number
-from .ops import topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
+from .ops import (_check_temperature, _normalize_code, _reduction_args, topk_kd_loss, topk_kd_loss_from_hidden,
+                  topk_kd_loss_from_logits)
 
 
 class TopKKDLoss(nn.Module):
@@ -32,6 +33,9 @@ class TopKKDLoss(nn.Module):
     def __init__(self, normalize: str = "full", temperature: float = 1.0, reduction: str = "mean",
                  ce_weight: float = 0.0, chunk_size: Optional[int] = None, return_per_token: bool = False):
         super().__init__()
+        _normalize_code(normalize)  # refused here rather than at the first call
+        _check_temperature(temperature)
+        _reduction_args(reduction, None, None)
         self.normalize, self.temperature, self.reduction = normalize, temperature, reduction
         self.ce_weight = check_number("ce_weight", ce_weight, positive=False)
         self.chunk_size, self.return_per_token = chunk_size, return_per_token

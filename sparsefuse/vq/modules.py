@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import batch_statistics, nearest_code, quantize, vq_ema_update
+from .ops import PRECISIONS, batch_statistics, check_ema_options, nearest_code, quantize, vq_ema_update
 
 
 def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group,
@@ -101,6 +101,13 @@ class VectorQuantizer(nn.Module):
                  precision: str = "exact", kmeans_init: bool = False, kmeans_iters: int = 10, process_group=None,
                  generator: Optional[torch.Generator] = None, deterministic: Optional[bool] = None,
                  _levels: Optional[int] = None):
+        for name, n in (("dim", dim), ("codebook_size", codebook_size)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        # refused here rather than at the first training step
+        check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         super().__init__()
         self.dim, self.codebook_size = dim, codebook_size
         self.decay, self.semantics, self.eps = decay, semantics, eps

@@ -129,8 +129,8 @@ def _draw_key_eagerly(levels, device, generator):
     return reference.draw_key(levels, device, generator)
 
 
-def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, threshold=0.0,
-                      reset_cluster_size=None, restart_after_steps=0, generator=None):
+def check_ema_options(semantics, decay, eps, threshold=0.0, reset_cluster_size=None, restart_after_steps=0):
+    """The EMA update's scalar options (also checked when a ``VectorQuantizer`` is built)."""
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     number = type(decay) is float or type(decay) is int or (isinstance(decay, numbers.Real)  # not a tensor (a sync)
@@ -146,6 +146,11 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
     check_number("restart_after_steps", restart_after_steps, positive=False)
     if restart_after_steps != int(restart_after_steps):
         raise ValueError(f"restart_after_steps must be a whole number of steps, got {restart_after_steps!r}")
+
+
+def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, threshold=0.0,
+                      reset_cluster_size=None, restart_after_steps=0, generator=None):
+    check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
     if torch.is_grad_enabled():  # the state must not require grad (overlaps fail the contiguity checks)
         for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
                         ("steps_since_active", counters)):
