@@ -5,8 +5,8 @@ GPU tier (-m gpu): bfloat16 and float16, real vocabulary sizes, torch.compile.
 """
 
 import math
-import re
 import os
+import re
 import subprocess
 import sys
 

@@ -7,7 +7,7 @@ from typing import Optional
 from torch import Tensor, nn
 
 from .._validate import check_number
-from .ops import (_check_temperature, _normalize_code, _reduction_args, topk_kd_loss, topk_kd_loss_from_hidden,
+from .ops import (_check_reduction, _check_temperature, _normalize_code, topk_kd_loss, topk_kd_loss_from_hidden,
                   topk_kd_loss_from_logits)
 
 
@@ -35,7 +35,7 @@ class TopKKDLoss(nn.Module):
         super().__init__()
         _normalize_code(normalize)  # refused here rather than at the first call
         _check_temperature(temperature)
-        _reduction_args(reduction, None, None)
+        _check_reduction(reduction)
         self.normalize, self.temperature, self.reduction = normalize, temperature, reduction
         self.ce_weight = check_number("ce_weight", ce_weight, positive=False)
         self.chunk_size, self.return_per_token = chunk_size, return_per_token

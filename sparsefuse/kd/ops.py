@@ -59,10 +59,14 @@ from .reference import NORMALIZE
 _REDUCTIONS = ("mean", "sum")
 
 
-def _reduction_args(reduction, num_items_in_batch, dev):
-    """(reduction code, num_items tensor or None, num_items float) for the ops."""
+def _check_reduction(reduction) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _reduction_args(reduction, num_items_in_batch, dev):
+    """(reduction code, num_items tensor or None, num_items float) for the ops."""
+    _check_reduction(reduction)
     if num_items_in_batch is None:
         return reference.REDUCTION[reduction], None, 1.0
     if isinstance(num_items_in_batch, Tensor):  # its value is not checked: that would be a host sync

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import PRECISIONS, batch_statistics, check_ema_options, nearest_code, quantize, vq_ema_update
+from .ops import batch_statistics, check_ema_options, check_precision, nearest_code, quantize, vq_ema_update
 
 
 def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group,
@@ -53,6 +53,11 @@ def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: s
 
 def _sync_initted(module, incompatible_keys):
     module._initted = bool(module.initted)
+
+
+def _check_positive_int(name: str, n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
 def _flatten(module, x: Tensor) -> Tensor:
@@ -101,13 +106,11 @@ class VectorQuantizer(nn.Module):
                  precision: str = "exact", kmeans_init: bool = False, kmeans_iters: int = 10, process_group=None,
                  generator: Optional[torch.Generator] = None, deterministic: Optional[bool] = None,
                  _levels: Optional[int] = None):
-        for name, n in (("dim", dim), ("codebook_size", codebook_size)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        _check_positive_int("dim", dim)
+        _check_positive_int("codebook_size", codebook_size)
         # refused here rather than at the first training step
         check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        check_precision(precision)
         super().__init__()
         self.dim, self.codebook_size = dim, codebook_size
         self.decay, self.semantics, self.eps = decay, semantics, eps
@@ -184,8 +187,7 @@ class ResidualVQ(VectorQuantizer):
     """
 
     def __init__(self, num_levels: int, dim: int, codebook_size: int, **kwargs):
-        if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
-            raise ValueError(f"num_levels must be a positive int, got {num_levels!r}")
+        _check_positive_int("num_levels", num_levels)
         super().__init__(dim, codebook_size, _levels=num_levels, **kwargs)
         self.num_levels = num_levels
 

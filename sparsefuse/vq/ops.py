@@ -129,6 +129,12 @@ def _draw_key_eagerly(levels, device, generator):
     return reference.draw_key(levels, device, generator)
 
 
+def check_precision(precision) -> None:
+    """``nearest_code``'s precision (also checked when a ``VectorQuantizer`` is built)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
 def check_ema_options(semantics, decay, eps, threshold=0.0, reset_cluster_size=None, restart_after_steps=0):
     """The EMA update's scalar options (also checked when a ``VectorQuantizer`` is built)."""
     if semantics not in SEMANTICS:
@@ -462,8 +468,7 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     check_tensor("x", x, shape=(None, D), dtypes=FLOAT_DTYPES, device=codebook.device)
     if K < 1:
         raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_precision(precision)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     return _search_op(x, codebook, bool(cosine), precision, det)
 
