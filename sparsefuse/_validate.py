@@ -112,6 +112,12 @@ def check_in_place(name: str, t: Optional[torch.Tensor]) -> None:
         raise ValueError(f"{name} has elements that share memory (an expanded tensor?), but it is rewritten in place")
 
 
+def check_positive_int(name: str, n) -> None:
+    """A Python int >= 1 (not a bool): the modules' sizes, counts and batch sizes."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
 def check_number(name: str, x, *, positive: bool) -> float:
     """A finite Python or NumPy number (not a bool), > 0 (``positive``) or >= 0, as a float. A tensor
     is refused: reading its value (float(tensor)) would be a host sync. Finiteness is two comparisons,

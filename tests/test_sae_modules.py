@@ -326,7 +326,7 @@ def test_forward_and_helpers_refuse_bad_input():
         m(x, variance=torch.ones(D, device=DEVICE))
     torch.testing.assert_close(m(x, variance=2.0).loss, m(x, variance=torch.tensor(2.0, device=DEVICE)).loss)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match=f"batch_size must be an int >= 1, got {bad}"):
+        with pytest.raises(ValueError, match=f"batch_size must be a positive int, got {bad}"):
             m.fvu_curve(x, batch_size=bad)
     idx, vals = m.encode(x)
     idx[0, 0] = -1

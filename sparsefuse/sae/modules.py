@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor,
-                         index_checks_enabled)
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_positive_int,
+                         check_tensor, index_checks_enabled)
 from . import reference
 from .ops import (hierarchical_sae_loss, normalize_rows_, remove_parallel_component_, sae_decode, sparse_linear,
                   topk_sae_loss)
@@ -326,8 +326,7 @@ class TopKSAE(nn.Module):
         1, 2, 4, ... up to K (K included). Returns ``{k': fvu}``, NaN for every k' when the rows of
         ``x`` have no variance (a single row, or all rows equal): FVU is undefined there.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        check_positive_int("batch_size", batch_size)
         ks = powers_of_two_upto(self.k) if ks is None else list(ks)
         bad = [kp for kp in ks if not isinstance(kp, int) or isinstance(kp, bool) or not 1 <= kp <= self.k]
         if bad:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._validate import check_positive_int
 from .ops import batch_statistics, check_ema_options, check_precision, nearest_code, quantize, vq_ema_update
 
 
@@ -53,11 +54,6 @@ def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: s
 
 def _sync_initted(module, incompatible_keys):
     module._initted = bool(module.initted)
-
-
-def _check_positive_int(name: str, n) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
 def _flatten(module, x: Tensor) -> Tensor:
@@ -106,8 +102,8 @@ class VectorQuantizer(nn.Module):
                  precision: str = "exact", kmeans_init: bool = False, kmeans_iters: int = 10, process_group=None,
                  generator: Optional[torch.Generator] = None, deterministic: Optional[bool] = None,
                  _levels: Optional[int] = None):
-        _check_positive_int("dim", dim)
-        _check_positive_int("codebook_size", codebook_size)
+        check_positive_int("dim", dim)
+        check_positive_int("codebook_size", codebook_size)
         # refused here rather than at the first training step
         check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
         check_precision(precision)
@@ -187,7 +183,7 @@ class ResidualVQ(VectorQuantizer):
     """
 
     def __init__(self, num_levels: int, dim: int, codebook_size: int, **kwargs):
-        _check_positive_int("num_levels", num_levels)
+        check_positive_int("num_levels", num_levels)
         super().__init__(dim, codebook_size, _levels=num_levels, **kwargs)
         self.num_levels = num_levels
 
