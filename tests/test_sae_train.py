@@ -591,11 +591,11 @@ def test_trainer_gives_auxk_a_superset_of_the_dead_latents(monkeypatch):
         return [(cols.numel(), dead.numel()) for cols, dead in rec["auxk"]]
 
     assert run(dead_tokens=10**9) == [(0, 0)] * 5
-    sizes = run(steps=8, log_every=100)
+    sizes = run(steps=4, log_every=100)
     assert sum(d for _, d in sizes) >= 3 and sizes[:2] == [(0, 0)] * 2, "the test should see dead latents"
     # dead_tokens = 100 and 3 batches of 16 between logging steps: after one, only latents whose clock
     # is past 100 - 48 are searched, fewer than all 32
-    sizes = run(steps=30, log_every=3, dead_tokens=100)
+    sizes = run(steps=12, log_every=3, dead_tokens=100)
     assert any(0 < c < 32 for c, _ in sizes[3:]) and any(d for _, d in sizes)
     # 8 latents, 4 active of 16 rows: all keep firing; without the logging steps' bound, step 4 on needs AuxK
     assert run(n_latents=8, k=4, steps=9, dead_tokens=40, log_every=3) == [(0, 0)] * 9
