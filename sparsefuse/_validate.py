@@ -89,6 +89,13 @@ def check_tensor(
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
 
 
+def check_not_empty(name: str, t: torch.Tensor, dim: int, what: str) -> None:
+    """Raise ``ValueError`` if ``t`` has no entries along ``dim``; ``what`` names one entry there
+    ("row (F >= 1)")."""
+    if t.shape[dim] < 1:
+        raise ValueError(f"{name} must have at least one {what}, got shape {tuple(t.shape)}")
+
+
 def check_index_range(name: str, idx: torch.Tensor, upper: int) -> None:
     """Raise ``IndexError`` if any entry of ``idx`` lies outside ``[0, upper)`` (when checks are on)."""
     if idx.numel() == 0 or not index_checks_enabled(idx):

@@ -422,6 +422,8 @@ def test_ema_update_bad_inputs():
         vq_ema_update(x, codes, state[0].double(), *state[1:])
     with pytest.raises(ValueError, match="x is on meta"):
         vq_ema_update(x.to("meta"), codes, *state)
+    with pytest.raises(ValueError, match=re.escape("codebook must have at least one code, got shape (0, 4)")):
+        vq_ema_update(x, codes, *[t[:0] for t in state])
     with pytest.raises(ValueError, match="semantics must be one of"):
         vq_ema_update(x, codes, *state, semantics="kmeans")
     with pytest.raises(ValueError, match="needs steps_since_active"):

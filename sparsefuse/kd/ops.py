@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from .._registry import first_order, refuse_transforms, register_op
-from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_number, check_tensor,
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_not_empty, check_number, check_tensor,
                          index_checks_enabled)
 from . import kernels, reference
 from .reference import NORMALIZE
@@ -471,8 +471,7 @@ def topk_kd_loss_from_hidden(
     if tuple(hidden.shape[:-1]) != lead:
         raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected {list(lead) + [H]}")
     check_tensor("lm_head_bias", lm_head_bias, shape=(V,), dtypes=(lm_head_weight.dtype,), device=dev, optional=True)
-    if V < 1:
-        raise ValueError("lm_head_weight must have at least one row (V >= 1)")
+    check_not_empty("lm_head_weight", lm_head_weight, 0, "row (V >= 1)")
     ce_weight = check_number("ce_weight", ce_weight, positive=False)
     if ce_weight and labels is None:
         raise ValueError("ce_weight is set but labels is None")

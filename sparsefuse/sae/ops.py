@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_tensor
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_not_empty, check_tensor
 from . import kernels, reference
 
 
@@ -27,10 +27,8 @@ def _check_inputs(indices, weight, vals, bias):
     dev = weight.device
     check_tensor("indices", indices, shape=(None, None), dtypes=INDEX_DTYPES, device=dev)
     B, K = indices.shape
-    if K < 1:
-        raise ValueError(f"indices must have at least one column (K >= 1), got shape {tuple(indices.shape)}")
-    if F < 1:
-        raise ValueError(f"weight must have at least one row (F >= 1), got shape {tuple(weight.shape)}")
+    check_not_empty("indices", indices, 1, "column (K >= 1)")
+    check_not_empty("weight", weight, 0, "row (F >= 1)")
     check_tensor("vals", vals, shape=(B, K), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("bias", bias, shape=(D,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
 
@@ -112,13 +110,11 @@ def sae_decode(indices: Tensor, vals: Tensor, weight: Tensor, bias: Optional[Ten
 def _check_linear_inputs(x, weight, indices, bias, x_shift, values):
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     F, D = weight.shape
-    if F < 1:
-        raise ValueError(f"weight must have at least one row (F >= 1), got shape {tuple(weight.shape)}")
+    check_not_empty("weight", weight, 0, "row (F >= 1)")
     dev = weight.device
     check_tensor("x", x, shape=(None, D), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("indices", indices, shape=(x.shape[0], None), dtypes=INDEX_DTYPES, device=dev)
-    if indices.shape[1] < 1:
-        raise ValueError(f"indices must have at least one column (K >= 1), got shape {tuple(indices.shape)}")
+    check_not_empty("indices", indices, 1, "column (K >= 1)")
     check_tensor("bias", bias, shape=(F,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
     check_tensor("x_shift", x_shift, shape=(D,), dtypes=FLOAT_DTYPES, device=dev, optional=True)
     check_tensor("values", values, shape=tuple(indices.shape), dtypes=FLOAT_DTYPES, device=dev, optional=True)

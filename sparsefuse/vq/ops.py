@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, bump_versions, first_order, plain_eager, register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_index_range, check_number, check_tensor
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_index_range, check_not_empty, check_number,
+                         check_tensor)
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
@@ -190,8 +191,7 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
         raise ValueError(f"codebook must be [K, D] or [L, K, D], got shape {tuple(codebook.shape)}")
     lead = tuple(codebook.shape[:-2])
     K, D = codebook.shape[-2:]
-    if K < 1:
-        raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
+    check_not_empty("codebook", codebook, -2, "code")
     dev = codebook.device
     check_tensor("cluster_size", cluster_size, shape=lead + (K,), dtypes=(torch.float32,), device=dev)
     check_tensor("embed_sum", embed_sum, shape=lead + (K, D), dtypes=(torch.float32,), device=dev)
@@ -466,8 +466,7 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     K, D = codebook.shape
     check_tensor("x", x, shape=(None, D), dtypes=FLOAT_DTYPES, device=codebook.device)
-    if K < 1:
-        raise ValueError(f"codebook must have at least one code, got shape {tuple(codebook.shape)}")
+    check_not_empty("codebook", codebook, -2, "code")
     check_precision(precision)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     return _search_op(x, codebook, bool(cosine), precision, det)
