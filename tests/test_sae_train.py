@@ -76,6 +76,23 @@ def test_log_every_must_be_positive():
                   log=lambda *_: None)
 
 
+def test_losses_given_as_a_string_is_refused_by_name():
+    """losses="topk" iterated as characters and failed with "unknown loss 't'"."""
+    with pytest.raises(ValueError, match=r"losses must be a tuple of loss names, got the string 'topk'; "
+                                         r"write losses=\('topk',\)"):
+        train_sae(TrainConfig(losses="topk", k=2, n_latents=8, batch_size=20, steps=3, out=None, progress=False),
+                  log=lambda *_: None)
+
+
+def test_every_message_goes_through_log(tmp_path, capsys):
+    """The closing "wrote ..." line was printed past a caller's ``log``."""
+    lines = []
+    train_sae(TrainConfig(k=2, n_latents=8, batch_size=20, steps=2, n_samples=200, eval_rows=20, plot=False,
+                          progress=False, out=str(tmp_path / "o")), log=lines.append)
+    assert capsys.readouterr().out == ""
+    assert lines[-1] == f"wrote {tmp_path / 'o'}/metrics.json and checkpoint(s)"
+
+
 def _write(tmp_path, name, x):
     path = str(tmp_path / name)
     np.save(path, x)

@@ -196,6 +196,12 @@ class TopKSAE(nn.Module):
                 dead. Over few candidates (C <= ``AUXK_DENSE_RATIO`` * n) AuxK runs as two dense
                 ``[B, C]`` products instead. None (default): all latents. The trainer bounds the dead-latent
                 clock on the host.
+
+        In training mode with AuxK on (``auxk_alpha > 0``), under an initialised
+        ``torch.distributed`` group of more than one process, the forward all-reduces AuxK's
+        normaliser (the mean squared residual of the global batch) so that data-parallel training
+        matches one process: it is a collective, and every process of the group must call
+        ``forward`` together, as in a DDP training step.
         """
         check_tensor("x", x, shape=(None, self.d_model), dtypes=FLOAT_DTYPES, device=self.W_enc.device)
         if auxk_latents is not None:

@@ -317,6 +317,9 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
     Returns ``{loss: RunResult}``. Under ``torchrun`` every process calls this; only rank 0 writes.
     """
     cfg = TrainConfig() if cfg is None else cfg
+    if isinstance(cfg.losses, str):  # iterating "topk" would report an unknown loss 't'
+        raise ValueError(f"losses must be a tuple of loss names, got the string {cfg.losses!r}; "
+                         f"write losses=({cfg.losses!r},)")
     for loss in cfg.losses:
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
@@ -359,7 +362,7 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         if rank == 0:
             log(_summary(runs[loss], cfg))
     if rank == 0 and cfg.out:
-        _write_outputs(cfg, runs, train.shape)
+        _write_outputs(cfg, runs, train.shape, log)
     return runs
 
 
@@ -374,7 +377,7 @@ def _summary(run: RunResult, cfg: TrainConfig) -> str:
     return "\n".join(lines)
 
 
-def _write_outputs(cfg: TrainConfig, runs: dict, shape) -> None:
+def _write_outputs(cfg: TrainConfig, runs: dict, shape, log) -> None:
     os.makedirs(cfg.out, exist_ok=True)
     metrics = {"config": asdict(cfg), "data_shape": list(shape), "torch": torch.__version__, "runs": {}}
     metrics["config"]["losses"] = list(cfg.losses)
@@ -389,9 +392,9 @@ def _write_outputs(cfg: TrainConfig, runs: dict, shape) -> None:
         json.dump(metrics, f, indent=1)
     if cfg.plot:
         path = plot_runs(metrics, os.path.join(cfg.out, "sae.png"))
-        print(f"wrote {cfg.out}/metrics.json, checkpoint(s) and " + (path or "no plot (matplotlib not installed)"))
+        log(f"wrote {cfg.out}/metrics.json, checkpoint(s) and " + (path or "no plot (matplotlib not installed)"))
     else:
-        print(f"wrote {cfg.out}/metrics.json and checkpoint(s)")
+        log(f"wrote {cfg.out}/metrics.json and checkpoint(s)")
 
 
 def plot_runs(metrics: dict, path: str, title: Optional[str] = None) -> Optional[str]:
