@@ -114,7 +114,8 @@ def test_from_hidden(normalize, ce_weight, bias, temperature, chunk_size):
 
 
 @pytest.mark.parametrize("N,K,V,H", [pytest.param(*p.values, 7, id=p.id) for p in SHAPES]
-                         + [pytest.param(5, 4, 23, 300, id="N5-K4-V23-H300")])
+                         + [pytest.param(5, 4, 23, 300, id="N5-K4-V23-H300"),
+                            pytest.param(5, 4, 23, 0, id="N5-K4-V23-H0")])
 @pytest.mark.parametrize("normalize", NORMS)
 @pytest.mark.parametrize("ce_weight", [0.0, 0.5])
 def test_from_hidden_shapes(N, K, V, H, normalize, ce_weight):
@@ -123,7 +124,7 @@ def test_from_hidden_shapes(N, K, V, H, normalize, ce_weight):
     H tiles (32 wide under the interpreter, 128 on a GPU; the other shapes fit one): the hidden
     kernels' loops over H, forward and backward ("topk" without cross-entropy takes the K-row
     gather kernel, the rest the vocabulary chunks). ("topk" at K = 1 has zero gradients: one slot
-    normalised over itself.)"""
+    normalised over itself.) H = 0: the logits are the bias alone (hidden.reshape(-1, 0) used to fail)."""
     d = make(N, K, V, H=H, dtype=torch.float64, dup=normalize != "tail")
     h, w, b = leaf(d["h"]), leaf(d["w"]), leaf(d["b"])
     labels = d["labels"].clone()

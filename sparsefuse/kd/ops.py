@@ -486,7 +486,7 @@ def topk_kd_loss_from_hidden(
     mode = _normalize_code(normalize)
     T = _check_temperature(temperature)
     red, items, items_v = _reduction_args(reduction, num_items_in_batch, dev)
-    h = hidden.reshape(-1, H)
+    h = hidden.reshape(ids.shape[0], H)  # not -1: with H = 0 there is nothing to infer it from
     w = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
     refuse_transforms((h, w, lm_head_bias, ids, t, m, labels, items), functorch_ok=False)
     loss, tok = _HiddenFunction.apply(

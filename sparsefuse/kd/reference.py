@@ -157,7 +157,7 @@ def topk_kd_loss_from_hidden(hidden, lm_head_weight, target_token_ids, target_lo
     """Reference for :func:`sparsefuse.topk_kd_loss_from_hidden`: materialises the logits (in the
     accumulation dtype) and adds ``ce_weight`` times the hard-label cross-entropy."""
     dt = acc_dtype(hidden, lm_head_weight, target_logprobs)
-    h = hidden.reshape(-1, hidden.shape[-1]).to(dt)
+    h = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1]).to(dt)  # not -1: H may be 0
     logits = h @ lm_head_weight.to(dt).t()
     if lm_head_bias is not None:
         logits = logits + lm_head_bias.to(dt)
