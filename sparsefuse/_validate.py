@@ -117,6 +117,17 @@ def check_in_place(name: str, t: Optional[torch.Tensor]) -> None:
                          f"or keep {name} a buffer (or a Parameter with requires_grad=False)")
     if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(t) == 1:
         raise ValueError(f"{name} has elements that share memory (an expanded tensor?), but it is rewritten in place")
+    check_not_inference(name, t)
+
+
+def check_not_inference(name: str, t: Optional[torch.Tensor]) -> None:
+    """Refuse to rewrite in place, outside inference mode, a tensor made under
+    ``torch.inference_mode()``, as PyTorch's in-place ops and the registered ops do (the eager paths
+    launch the kernels without the dispatcher, which would raise)."""
+    if (t is not None and not torch.compiler.is_compiling() and t.is_inference()
+            and not torch.is_inference_mode_enabled()):
+        raise RuntimeError(f"{name} was made under torch.inference_mode() and cannot be rewritten in place outside "
+                           f"it: clone it first, or run this under torch.inference_mode()")
 
 
 def check_positive_int(name: str, n) -> None:

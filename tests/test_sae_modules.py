@@ -501,6 +501,17 @@ def test_row_ops_bad_input():
         remove_parallel_component_(g[:1].expand(5, 7), w)
     with pytest.raises(ValueError, match=r"weight has elements that share memory"):
         normalize_rows_(w[:, :1].expand(5, 7))
+    # tensors made under inference_mode: the registered ops refuse to rewrite them outside it (as
+    # PyTorch's in-place ops do); the eager fast path, which skips the dispatcher, wrote them
+    with torch.inference_mode():
+        w_inf, g_inf = w.clone(), g.clone()
+    with pytest.raises(RuntimeError, match=r"weight was made under torch.inference_mode\(\) and cannot be "
+                                           r"rewritten in place outside it"):
+        normalize_rows_(w_inf)
+    with pytest.raises(RuntimeError, match=r"grad was made under torch.inference_mode\(\)"):
+        remove_parallel_component_(g_inf, w_inf)  # a weight that is only read may be one
+    with torch.inference_mode():
+        torch.testing.assert_close(normalize_rows_(w_inf), normalize_rows_(w.clone()))
 
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])

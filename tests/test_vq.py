@@ -1401,6 +1401,25 @@ def test_in_place_update_is_seen_by_autograd():
         loss.backward()
 
 
+@pytest.mark.parametrize("which", ["codebook", "cluster_size", "embed_sum", "steps_since_active"])
+def test_state_made_under_inference_mode_is_refused_outside_it(which):
+    """PyTorch refuses to rewrite an inference tensor in place outside inference mode, and so does
+    the registered op; the eager path, which launches without the dispatcher, wrote it."""
+    x, codes, *state = make(9, 5, 4)
+    names = ["codebook", "cluster_size", "embed_sum", "steps_since_active"]
+    with torch.inference_mode():
+        state[names.index(which)] = state[names.index(which)].clone()
+    before = [t.clone() for t in state]
+    with pytest.raises(RuntimeError, match=rf"{which} was made under torch.inference_mode\(\) and cannot be "
+                                           r"rewritten in place outside it"):
+        vq_ema_update(x, codes, *state, semantics="active", restart_after_steps=2)
+    for t, b in zip(state, before):
+        assert torch.equal(t, b)  # refused before anything was written
+    with torch.inference_mode():
+        vq_ema_update(x, codes, *state, semantics="active", restart_after_steps=2)
+    assert not torch.equal(state[0], before[0])
+
+
 def test_fake_tensors_take_the_registered_ops():
     """Under FakeTensorMode (export, shape propagation) nothing may reach a kernel or a reference:
     the update, the search and quantize go through the ops' fake implementations."""

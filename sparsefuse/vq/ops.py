@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, bump_versions, first_order, plain_eager, register_op
-from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_index_range, check_not_empty, check_number,
-                         check_tensor)
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_index_range, check_not_empty,
+                         check_not_inference, check_number, check_tensor)
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
@@ -163,6 +163,10 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
                         ("steps_since_active", counters)):
             if isinstance(t, Tensor) and t.requires_grad:
                 check_in_place(name, t)  # raises, naming it
+    for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
+                    ("steps_since_active", counters)):
+        if isinstance(t, Tensor):
+            check_not_inference(name, t)
     if generator is not None:
         if torch.compiler.is_compiling():
             raise ValueError(_GENERATOR_COMPILE)
