@@ -292,8 +292,8 @@ def test_bad_input_errors(mutate, exc, match):
 
 @pytest.mark.parametrize("bad", ["huge", "F"])
 def test_unchecked_out_of_range_indices_poison_with_nan(bad):
-    """With the host check off, a bad index never reads out of bounds: its output is NaN. Index F
-    (one past the last row) too: the weight is the first F rows of a larger buffer, so a kernel that
+    """With the host check off, a bad index never reads out of bounds: its output is NaN, and so is
+    grad_x_shift, which sums over every entry. Index F (one past the last row) too: the weight is the first F rows of a larger buffer, so a kernel that
     let F through would read a finite row there."""
     x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
     weight = torch.cat([weight, torch.ones_like(weight[:1])])[:6]
@@ -301,9 +301,18 @@ def test_unchecked_out_of_range_indices_poison_with_nan(bad):
     sparsefuse.set_index_checks(False)
     try:
         out = sparsefuse.sparse_linear(x, weight, idx, bias, shift)
+        # grad_x_shift depends on every entry: NaN whether x is frozen (the per-feature sums, which
+        # leave the bad entry out, times the weight: it came back finite) or requires grad
+        shift_grads = []
+        for x_grad in (False, True):
+            xs, s = x.clone().requires_grad_(x_grad), shift.clone().requires_grad_()
+            sparsefuse.sparse_linear(xs, weight, idx, bias, s).sum().backward()
+            shift_grads.append(s.grad)
     finally:
         sparsefuse.set_index_checks(None)
     assert torch.isnan(out[1, 1]) and torch.isfinite(out[0]).all()
+    for g in shift_grads:
+        assert torch.isnan(g).all()
 
 
 def test_unchecked_huge_int64_index_adds_to_no_feature():

@@ -29,6 +29,7 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -716,9 +717,11 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     need_sums = need_bias or (need_shift and not need_x)
     sums = torch.empty(F if need_sums else 0, device=x.device, dtype=acc)
     grad_weight = weight.new_empty(0)
+    segments = None
     if need_weight or need_sums:
+        segments = feature_segments(indices, F)
         rows = _shifted(x, x_shift, acc) if need_weight else x[:, :0]  # sums alone: the same pass with no columns
-        gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=sums if need_sums else None)
+        gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=sums if need_sums else None, segments=segments)
         if need_weight:
             grad_weight = gw
     if need_shift and not need_x:  # in the weight's dtype, or float64 (a float64 copy of the weight) when asked
@@ -731,6 +734,11 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
             grad_shift = torch.mv(weight.t(), (sums / top).to(mv_dtype)).to(acc).mul_(top).neg_()
         else:
             grad_shift = torch.mv(weight.t().to(mv_dtype), sums.to(mv_dtype)).to(acc).neg_()
+        # an out-of-range index (index checks off) falls in no feature's segment, so the sums leave
+        # it out; grad_shift depends on it (its row of grad_x is NaN), so it is NaN, as when x
+        # requires grad. Read from the segment bounds on the device: no host sync.
+        seg = segments[0]
+        grad_shift = torch.where(seg[F] - seg[0] == indices.numel(), grad_shift, math.nan)
     grad_bias = sums if need_bias else x.new_empty(0, dtype=acc)
     return grad_x, grad_weight, grad_bias, grad_shift
 
