@@ -120,6 +120,29 @@ def check_in_place(name: str, t: Optional[torch.Tensor]) -> None:
     check_not_inference(name, t)
 
 
+def check_no_partial_overlap(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """For a tensor rewritten in place while ``other`` is read: refuse the two sharing memory unless
+    they are the same view (a kernel would read elements another program already rewrote; PyTorch's
+    in-place ops refuse this too). Byte ranges are compared, so interleaved views of one buffer are
+    refused as well."""
+    if torch.compiler.is_compiling() or t.numel() == 0 or other.numel() == 0:
+        return
+    if t.untyped_storage().data_ptr() != other.untyped_storage().data_ptr():
+        return
+    if t.data_ptr() == other.data_ptr() and t.shape == other.shape and t.stride() == other.stride() \
+            and t.dtype == other.dtype:
+        return
+
+    def span(x):  # [first byte, one past the last) of a view with non-negative strides
+        last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+        return x.data_ptr(), x.data_ptr() + (last + 1) * x.element_size()
+
+    (a0, a1), (b0, b1) = span(t), span(other)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(f"{name} and {other_name} share memory without being the same tensor, but {name} is "
+                         f"rewritten in place while {other_name} is read: pass a copy of one of them")
+
+
 def check_not_inference(name: str, t: Optional[torch.Tensor]) -> None:
     """Refuse to rewrite in place, outside inference mode, a tensor made under
     ``torch.inference_mode()``, as PyTorch's in-place ops and the registered ops do (the eager paths

@@ -501,6 +501,19 @@ def test_row_ops_bad_input():
         remove_parallel_component_(g[:1].expand(5, 7), w)
     with pytest.raises(ValueError, match=r"weight has elements that share memory"):
         normalize_rows_(w[:, :1].expand(5, 7))
+    # grad and weight sharing part of one buffer: a program read a weight row that another had
+    # rewritten (PyTorch refuses this too); the same tensor for both, or disjoint rows, are fine
+    buf = torch.randn(6, 7, device=w.device)
+    with pytest.raises(ValueError, match=r"grad and weight share memory without being the same tensor"):
+        remove_parallel_component_(buf[1:], buf[:-1])
+    with pytest.raises(ValueError, match=r"grad and weight share memory"):
+        remove_parallel_component_(buf[:, ::2][:, :3], buf[:, 1::2])  # interleaved: refused, by byte range
+    same = buf.clone()
+    torch.testing.assert_close(remove_parallel_component_(same, same), remove_parallel_component_(buf.clone(),
+                                                                                                buf.clone()))
+    apart = buf.clone()
+    remove_parallel_component_(apart[:3], apart[3:])
+    torch.testing.assert_close(apart[:3], remove_parallel_component_(buf[:3].clone(), buf[3:].clone()))
     # tensors made under inference_mode: the registered ops refuse to rewrite them outside it (as
     # PyTorch's in-place ops do); the eager fast path, which skips the dispatcher, wrote them
     with torch.inference_mode():

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, register_op
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_not_empty, check_tensor
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_no_partial_overlap, check_not_empty,
+                         check_tensor)
 from . import kernels, reference
 
 
@@ -527,5 +528,6 @@ def remove_parallel_component_(grad: Tensor, weight: Tensor, eps: float = 1e-12)
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("grad", grad, shape=tuple(weight.shape), dtypes=FLOAT_DTYPES, device=weight.device)
     check_in_place("grad", grad)
+    check_no_partial_overlap("grad", grad, "weight", weight)
     _project_op(grad, weight, float(eps))
     return grad
