@@ -371,6 +371,31 @@ def test_topk_column_group_parts_of_gv(B, K, F, D):
     check_against_fp64("topk", idx, weight, vals, bias, target, torch.float32)
 
 
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("K", [4, 9, 13])
+def test_rows_of_more_latents_than_a_tile(op, K, monkeypatch):
+    """K above _MAX_BLOCK_K (4 here; 512 on a GPU): the decode sums blocks of latents in launches of
+    its own, the TopK loss takes gv from the row dot products, which run a program per block of
+    latents. One tile for all K latents had asked a GPU for 64 warps at K > 8192. K = 4 is one whole
+    block; 9 and 13 end in a partial one. Out-of-range ids (checks off) still poison with NaN."""
+    from sparsefuse.sae import kernels
+
+    monkeypatch.setattr(kernels, "_MAX_BLOCK_K", 4)
+    assert (kernels.topk_gv_parts(K, 300, 4) == 1) == (K > 4)  # one part of gv past one block
+    check_against_fp64(op, *make(5, K, 40, 37, torch.float64), torch.float64)
+    check_against_fp64(op, *make(3, K, 7, 33, torch.float32, index_dtype=torch.int32), torch.float32)
+    idx, weight, vals, bias, target = make(3, K, 40, 9, torch.float32)
+    idx[1, K - 1] = 40
+    sparsefuse.set_index_checks(False)
+    try:
+        out = OPS[op][0](idx, weight, vals, bias, target)
+    finally:
+        sparsefuse.set_index_checks(None)
+    assert torch.isnan(out[1] if op == "decode" else out).all()
+    if op == "decode":
+        assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 def test_weight_grad_feature_sums(weighted):
     """The segmented sum behind every weight gradient, with its per-feature sum of entry weights
@@ -961,6 +986,8 @@ def test_bench_cli_without_gpu_runs_correctness_check():
     pytest.param(1000, 3, 1000, 1, id="B1000-K3-F1000-D1"),
     pytest.param(333, 64, 4099, 777, id="B333-K64-F4099-D777"),
     pytest.param(64, 1000, 5000, 300, id="B64-K1000-F5000-D300"),
+    # past one tile's latents (_MAX_BLOCK_K): a launch for all of them asked for 64 warps from K = 8193
+    pytest.param(5, 9000, 20000, 40, id="B5-K9000-F20000-D40"),
 ])
 def test_gpu_matches_fp64_reference(op, dtype, B, K, F, D):
     check_against_fp64(op, *make(B, K, F, D, dtype), dtype)

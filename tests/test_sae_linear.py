@@ -345,6 +345,8 @@ def test_unchecked_huge_int64_index_adds_to_no_feature():
     pytest.param(512, 128, 65536, 2304, id="B512-K128-F65536-D2304"),
     pytest.param(37, 50, 5, 100, id="B37-K50-F5-D100"),
     pytest.param(333, 64, 4099, 777, id="B333-K64-F4099-D777"),
+    # past one tile's latents: the row dot products asked for 64 warps from K = 8193
+    pytest.param(5, 9000, 20000, 40, id="B5-K9000-F20000-D40"),
 ])
 def test_gpu_matches_fp64_reference(dtype, B, K, F, D):
     check_against_fp64(*make(B, K, F, D, dtype), dtype)

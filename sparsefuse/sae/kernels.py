@@ -45,12 +45,17 @@ from .reference import acc_dtype
 # A gather tile holds BLOCK_K x BLOCK_D <= _GATHER_TILE elements in registers (BLOCK_D stops at 16, so
 # K > 512 goes over); the row dot products (_gather_config) take at least two warps a row, best at every K.
 _GATHER_TILE = 8192
+# Tiles hold at most this many latents (the tile's K side); rows with more take several: the row dot
+# products run one program per (row, block of latents), and the decode gather sums blocks of latents
+# in launches of its own (_decode_blocks). One tile for every latent of a row, as before, grew past
+# what a launch can hold (K > 8192 asked for 64 warps; K > 65536 for more than 2^20 elements).
+_MAX_BLOCK_K = 512
 _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 
 
 def _gather_config(K: int, D: int, itemsize: int) -> dict:
-    """BLOCK_K covers all K latents of a row; BLOCK_D fills the rest of the register tile."""
-    block_k = next_pow2(K)
+    """BLOCK_K covers the K latents of a row (up to _MAX_BLOCK_K); BLOCK_D fills the rest of the register tile."""
+    block_k = min(next_pow2(K), _MAX_BLOCK_K)
     cap = 128 if itemsize <= 2 else 256
     block_d = max(16, min(next_pow2(max(D, 1)), cap, _GATHER_TILE // block_k))
     return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
@@ -215,9 +220,10 @@ def _sae_row_dot_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """The gather-dot shared by the decode's vals gradient and ``sparse_linear``'s forward."""
+    """The gather-dot shared by the decode's vals gradient and ``sparse_linear``'s forward: one program
+    per (row, block of BLOCK_K latents)."""
     i_b = tl.program_id(0).to(tl.int64)
-    o_k = tl.arange(0, BLOCK_K)
+    o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < K
     b_idx = tl.load(idx_ptr + i_b * K + o_k, mask=m_k, other=0).to(tl.int64)  # [BLOCK_K]
     m_ok = m_k & (b_idx >= 0) & (b_idx < F)
@@ -591,13 +597,34 @@ def decode_fwd(indices, vals, weight, bias):
     out = torch.empty(B, D, device=vals.device, dtype=torch.promote_types(vals.dtype, weight.dtype))
     if B == 0 or D == 0:
         return out.zero_()
-    idx, v = indices.contiguous(), vals.contiguous()
-    bias = _contiguous(bias)
+    acc = acc_dtype(vals, weight, bias)
+    if K > _MAX_BLOCK_K:
+        return out.copy_(_decode_blocks(indices, vals, weight, bias, acc))
+    _decode_launch_into(out, indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), acc)
+    return out
+
+
+def _decode_launch_into(out, idx, v, weight, bias, acc):
+    """One ``_sae_decode_fwd_kernel`` launch (no loss): out [B, D] = bias + the decode of contiguous
+    ``idx``, ``v`` [B, K <= _MAX_BLOCK_K]."""
+    (B, K), (F, D) = idx.shape, weight.shape
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=False))
     _launch(_sae_decode_fwd_kernel, (B, P),
         idx, v, weight, bias, None, out, None, None, 1, B, K, D, F, *_weight_strides(weight), cols,
-        HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc_dtype(vals, weight, bias)), **meta,
+        HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc), **meta,
     )
+
+
+def _decode_blocks(indices, vals, weight, bias, acc):
+    """bias + sum_k vals[b, k] * weight[indices[b, k]] as [B, D] in ``acc``, for K > _MAX_BLOCK_K: one
+    launch per block of _MAX_BLOCK_K latents, the blocks summed in ``acc`` (B > 0, D > 0)."""
+    (B, K), D = indices.shape, weight.shape[1]
+    out, part = (torch.empty(B, D, device=vals.device, dtype=acc) for _ in range(2))
+    for k0 in range(0, K, _MAX_BLOCK_K):
+        idx, v = (t[:, k0:k0 + _MAX_BLOCK_K].contiguous() for t in (indices, vals))
+        _decode_launch_into(out if k0 == 0 else part, idx, v, weight, _contiguous(bias) if k0 == 0 else None, acc)
+        if k0:
+            out.add_(part)
     return out
 
 
@@ -664,9 +691,10 @@ def row_dot(indices, weight, rows, fbias, out_dtype, acc):
     F, D = weight.shape
     out = torch.empty(B, K, device=rows.device, dtype=out_dtype)
     if B > 0:
-        _launch(_sae_row_dot_kernel, (B,),
+        cfg = _gather_config(K, D, weight.element_size())
+        _launch(_sae_row_dot_kernel, (B, cdiv(K, cfg["BLOCK_K"])),
             indices.contiguous(), weight, rows.contiguous(), fbias, out, K, D, F, *_weight_strides(weight),
-            HAS_BIAS=fbias is not None, ACC=_tl_dtype(acc), **_gather_config(K, D, weight.element_size()),
+            HAS_BIAS=fbias is not None, ACC=_tl_dtype(acc), **cfg,
         )
     return out
 
@@ -773,7 +801,10 @@ def topk_gv_parts(K: int, D: int, itemsize: int) -> int:
     column groups writes its own part; the backward's finishing launch sums them, one host op a step
     fewer than a sum in the forward. Where the parts would outweigh half a residual (P * K > D / 2:
     large K, where the step is GPU-bound anyway) the forward sums them instead, so the memory held
-    between forward and backward stays flat in K."""
+    between forward and backward stays flat in K. Rows of more than _MAX_BLOCK_K latents get one
+    part (see topk_loss_fwd)."""
+    if K > _MAX_BLOCK_K:
+        return 1
     return _gv_parts_kept(_decode_launch(D, _decode_config(K, D, itemsize, loss=True))[0], K, D)
 
 
@@ -788,10 +819,16 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     check_index_range("indices", indices, F)
     acc = acc_dtype(weight, vals, bias, target)
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
-    parts = _gv_parts_kept(P, K, D)
+    parts = topk_gv_parts(K, D, weight.element_size())
     resid = torch.empty(B, D, device=vals.device, dtype=acc)
     if B == 0 or D == 0:
         return resid.new_zeros(()), resid.zero_(), torch.zeros(parts, B, K, device=vals.device, dtype=acc)
+    if K > _MAX_BLOCK_K:
+        # the residual from the decode's blocks of latents, then gv from the row dot products (which
+        # take blocks of latents too): the decoder rows are read twice instead of once
+        resid = _decode_blocks(indices, vals, weight, bias, acc).sub_(target)
+        gv = row_dot(indices, weight, resid, None, acc, acc)
+        return resid.square().sum() / (B * D), resid, gv[None]
     gv = torch.empty(P, B, K, device=vals.device, dtype=acc)
     row_loss = torch.empty(P, B, device=vals.device, dtype=acc)
     _launch(_sae_decode_fwd_kernel, (B, P),
