@@ -76,9 +76,11 @@ def kd(K: int) -> None:
     for name, fn in forms.items():
         row = dict(K=K, form=name)
         try:
+            t0 = time.perf_counter()
             fn()
             torch.cuda.synchronize()
             row["ok"] = True
+            row["first_s"] = round(time.perf_counter() - t0, 2)
         except Exception as e:  # noqa: BLE001 - reported, not raised
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         print(json.dumps(row), flush=True)

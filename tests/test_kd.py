@@ -981,6 +981,31 @@ def test_bad_inputs():
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, lm_head_bias=d["b"].double())
 
 
+def test_more_slots_than_the_kernels_take():
+    """Where the kernels run (CUDA, the interpreter), the logits and hidden-state forms refuse more
+    than MAX_SLOTS teacher slots with a message that names the limit and the way out: their
+    backward's [K, K] tile compiled for minutes at K = 1024 and failed at K = 8192 on an H200. The
+    PyTorch reference path (CPU without the interpreter) has no such limit; MAX_SLOTS itself runs."""
+    from sparsefuse.kd import ops as kd_ops
+
+    K = kd_ops.MAX_SLOTS + 1
+    d = make(2, K, K + 3, H=4, dtype=torch.float32)
+    kernels_run = DEVICE != "cpu" or sparsefuse._registry.INTERPRET
+    msg = (rf"target_token_ids has {K} slots per token; the logits and hidden-state forms take at most "
+           rf"{K - 1} on the GPU \(their kernels compare every pair of slots\)\. Keep the teacher's top {K - 1}, "
+           r"or gather the student's logits at the ids and use topk_kd_loss")
+    for fn in (lambda: sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"]),
+               lambda: sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"])):
+        if kernels_run:
+            with pytest.raises(ValueError, match=msg):
+                fn()
+        else:
+            assert torch.isfinite(fn())
+    assert torch.isfinite(sparsefuse.topk_kd_loss(d["z"][:, :K], d["t"], d["m"]))  # the gathered form: any K
+    e = make(2, K - 1, K + 3, H=4, dtype=torch.float32)
+    assert torch.isfinite(sparsefuse.topk_kd_loss_from_logits(e["z"], e["ids"], e["t"], e["m"]))
+
+
 def test_module_under_compile():
     """TopKKDLoss picks its form from its arguments (a floating second argument means gathered
     log-probs): under torch.compile(fullgraph=True) each form gives eager mode's loss and gradients."""

@@ -371,17 +371,36 @@ def test_topk_column_group_parts_of_gv(B, K, F, D):
     check_against_fp64("topk", idx, weight, vals, bias, target, torch.float32)
 
 
-@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("op", list(OPS) + ["sparse_linear"])
 @pytest.mark.parametrize("K", [4, 9, 13])
-def test_rows_of_more_latents_than_a_tile(op, K, monkeypatch):
-    """K above _MAX_BLOCK_K (4 here; 512 on a GPU): the decode sums blocks of latents in launches of
-    its own, the TopK loss takes gv from the row dot products, which run a program per block of
-    latents. One tile for all K latents had asked a GPU for 64 warps at K > 8192. K = 4 is one whole
-    block; 9 and 13 end in a partial one. Out-of-range ids (checks off) still poison with NaN."""
+@pytest.mark.parametrize("decode_tile", [4, 16])
+def test_rows_of_more_latents_than_a_tile(op, K, decode_tile, monkeypatch):
+    """K above _DECODE_TILE_MAX_K (4 here; 2048 on a GPU): the decode sums blocks of _MAX_BLOCK_K
+    latents (4 here; 512) in launches of its own, and the TopK loss takes gv from the row dot
+    products, which run a program per block of latents (at any K above _MAX_BLOCK_K). One tile for
+    all K latents had asked a GPU for 64 warps at K > 8192. K = 4 is one whole block; 9 and 13 end in
+    a partial one; with a decode tile of 16 the decode keeps them in one tile while the row dots
+    (the decode's vals gradient, sparse_linear's forward) take blocks. Out-of-range ids (checks off)
+    still poison with NaN."""
     from sparsefuse.sae import kernels
 
     monkeypatch.setattr(kernels, "_MAX_BLOCK_K", 4)
-    assert (kernels.topk_gv_parts(K, 300, 4) == 1) == (K > 4)  # one part of gv past one block
+    monkeypatch.setattr(kernels, "_DECODE_TILE_MAX_K", decode_tile)
+    assert (kernels.topk_gv_parts(K, 300, 4) == 1) == (K > decode_tile)  # one part of gv past one tile
+    if op == "sparse_linear":
+        g = torch.Generator().manual_seed(0)
+        x, w, shift, fbias, g_out = (torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE)
+                                     for shape in ((5, 37), (40, 37), (37,), (40,), (5, K)))
+        idx = torch.randint(0, 40, (5, K), generator=g).to(DEVICE)
+        results = []
+        for fn in (lambda x, w, fb, s: sparsefuse.sparse_linear(x, w, idx, fb, s),
+                   lambda x, w, fb, s: ((x - s) @ w.t() + fb).gather(1, idx)):
+            params = [t.clone().requires_grad_() for t in (x, w, fbias, shift)]
+            out = fn(*params)
+            results.append([out, *torch.autograd.grad(out, params, g_out)])
+        for name, a, b in zip(["out", "grad_x", "grad_weight", "grad_bias", "grad_shift"], *results):
+            assert_close(a, b, torch.float64, f"sparse_linear {name}")
+        return
     check_against_fp64(op, *make(5, K, 40, 37, torch.float64), torch.float64)
     check_against_fp64(op, *make(3, K, 7, 33, torch.float32, index_dtype=torch.int32), torch.float32)
     idx, weight, vals, bias, target = make(3, K, 40, 9, torch.float32)

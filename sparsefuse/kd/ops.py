@@ -50,13 +50,20 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .._registry import first_order, refuse_transforms, register_op
+from .._registry import INTERPRET, first_order, refuse_transforms, register_op
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_not_empty, check_number, check_tensor,
                          index_checks_enabled)
 from . import kernels, reference
 from .reference import NORMALIZE
 
 _REDUCTIONS = ("mean", "sum")
+
+#: Most teacher slots per token that the logits and hidden-state forms take where their kernels run
+#: (CUDA, or the Triton interpreter): their backward compares every pair of a token's slots (a
+#: [K, K] tile) to sum repeated ids. On one H200 their first call compiled in 3-12 s at K = 256 and
+#: 11-26 s at K = 512; at K = 1024 it ran past 100 s, and K = 8192 failed to compile
+#: (``scripts/probe_many_latents.py kd``). The gathered form has no such tile and takes any K.
+MAX_SLOTS = 512
 
 
 def _check_reduction(reduction) -> None:
@@ -105,6 +112,10 @@ def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
         if tuple(mask.shape) != shape:
             raise ValueError(f"target_mask has shape {tuple(mask.shape)}; expected {shape}")
     K = shape[-1]
+    if with_ids and K > MAX_SLOTS and (dev.type == "cuda" or INTERPRET):
+        raise ValueError(f"target_token_ids has {K} slots per token; the logits and hidden-state forms take at most "
+                         f"{MAX_SLOTS} on the GPU (their kernels compare every pair of slots). Keep the teacher's top "
+                         f"{MAX_SLOTS}, or gather the student's logits at the ids and use topk_kd_loss")
     t = logprobs.reshape(-1, K)
     m = torch.ones(t.shape, dtype=torch.bool, device=dev) if mask is None else mask.reshape(-1, K)
     if m.dtype != torch.bool:

@@ -45,11 +45,17 @@ from .reference import acc_dtype
 # A gather tile holds BLOCK_K x BLOCK_D <= _GATHER_TILE elements in registers (BLOCK_D stops at 16, so
 # K > 512 goes over); the row dot products (_gather_config) take at least two warps a row, best at every K.
 _GATHER_TILE = 8192
-# Tiles hold at most this many latents (the tile's K side); rows with more take several: the row dot
-# products run one program per (row, block of latents), and the decode gather sums blocks of latents
-# in launches of its own (_decode_blocks). One tile for every latent of a row, as before, grew past
-# what a launch can hold (K > 8192 asked for 64 warps; K > 65536 for more than 2^20 elements).
+# Rows of many latents. The row dot products (_sae_row_dot_kernel) take blocks of at most
+# _MAX_BLOCK_K latents, one program per (row, block). The decode gather keeps all K latents of a row
+# in one tile up to _DECODE_TILE_MAX_K, where the tile spills but the fused TopK loss still reads
+# each decoder row once; past it the decode sums blocks of _MAX_BLOCK_K latents in launches of their
+# own (_decode_blocks) and the loss takes gv from the row dots. One tile for every latent had asked
+# for 64 warps at K > 8192 (the launch failed) and compiled for 38 s at K = 8192. Full fp32 steps on
+# one H200 (scripts/probe_many_latents.py, B = 512, F = 65536, D = 2304, ms at K = 1024 / 2048 /
+# 4096, one tile against blocks): TopK 1.96 / 3.94 / 49.1 against 3.30 / 6.43 / 12.4; decode 3.24 /
+# 6.80 / 18.3 against 3.28 / 6.42 / 12.4; sparse_linear 2.08 / 3.80 / 13.5 against 2.07 / 3.82 / 7.04.
 _MAX_BLOCK_K = 512
+_DECODE_TILE_MAX_K = 2048
 _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 
 
@@ -598,7 +604,7 @@ def decode_fwd(indices, vals, weight, bias):
     if B == 0 or D == 0:
         return out.zero_()
     acc = acc_dtype(vals, weight, bias)
-    if K > _MAX_BLOCK_K:
+    if K > _DECODE_TILE_MAX_K:
         return out.copy_(_decode_blocks(indices, vals, weight, bias, acc))
     _decode_launch_into(out, indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), acc)
     return out
@@ -606,7 +612,7 @@ def decode_fwd(indices, vals, weight, bias):
 
 def _decode_launch_into(out, idx, v, weight, bias, acc):
     """One ``_sae_decode_fwd_kernel`` launch (no loss): out [B, D] = bias + the decode of contiguous
-    ``idx``, ``v`` [B, K <= _MAX_BLOCK_K]."""
+    ``idx``, ``v`` [B, K <= _DECODE_TILE_MAX_K]."""
     (B, K), (F, D) = idx.shape, weight.shape
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=False))
     _launch(_sae_decode_fwd_kernel, (B, P),
@@ -616,8 +622,8 @@ def _decode_launch_into(out, idx, v, weight, bias, acc):
 
 
 def _decode_blocks(indices, vals, weight, bias, acc):
-    """bias + sum_k vals[b, k] * weight[indices[b, k]] as [B, D] in ``acc``, for K > _MAX_BLOCK_K: one
-    launch per block of _MAX_BLOCK_K latents, the blocks summed in ``acc`` (B > 0, D > 0)."""
+    """bias + sum_k vals[b, k] * weight[indices[b, k]] as [B, D] in ``acc``, for K > _DECODE_TILE_MAX_K:
+    one launch per block of _MAX_BLOCK_K latents, the blocks summed in ``acc`` (B > 0, D > 0)."""
     (B, K), D = indices.shape, weight.shape[1]
     out, part = (torch.empty(B, D, device=vals.device, dtype=acc) for _ in range(2))
     for k0 in range(0, K, _MAX_BLOCK_K):
@@ -801,9 +807,9 @@ def topk_gv_parts(K: int, D: int, itemsize: int) -> int:
     column groups writes its own part; the backward's finishing launch sums them, one host op a step
     fewer than a sum in the forward. Where the parts would outweigh half a residual (P * K > D / 2:
     large K, where the step is GPU-bound anyway) the forward sums them instead, so the memory held
-    between forward and backward stays flat in K. Rows of more than _MAX_BLOCK_K latents get one
-    part (see topk_loss_fwd)."""
-    if K > _MAX_BLOCK_K:
+    between forward and backward stays flat in K. Rows of more than _DECODE_TILE_MAX_K latents get
+    one part (see topk_loss_fwd)."""
+    if K > _DECODE_TILE_MAX_K:
         return 1
     return _gv_parts_kept(_decode_launch(D, _decode_config(K, D, itemsize, loss=True))[0], K, D)
 
@@ -823,7 +829,7 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     resid = torch.empty(B, D, device=vals.device, dtype=acc)
     if B == 0 or D == 0:
         return resid.new_zeros(()), resid.zero_(), torch.zeros(parts, B, K, device=vals.device, dtype=acc)
-    if K > _MAX_BLOCK_K:
+    if K > _DECODE_TILE_MAX_K:
         # the residual from the decode's blocks of latents, then gv from the row dot products (which
         # take blocks of latents too): the decoder rows are read twice instead of once
         resid = _decode_blocks(indices, vals, weight, bias, acc).sub_(target)
