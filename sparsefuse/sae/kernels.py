@@ -825,16 +825,17 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     check_index_range("indices", indices, F)
     acc = acc_dtype(weight, vals, bias, target)
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
-    parts = topk_gv_parts(K, D, weight.element_size())
-    resid = torch.empty(B, D, device=vals.device, dtype=acc)
+    parts = 1 if K > _DECODE_TILE_MAX_K else _gv_parts_kept(P, K, D)  # topk_gv_parts, from this P
     if B == 0 or D == 0:
-        return resid.new_zeros(()), resid.zero_(), torch.zeros(parts, B, K, device=vals.device, dtype=acc)
+        zeros = functools.partial(torch.zeros, device=vals.device, dtype=acc)
+        return zeros(()), zeros(B, D), zeros(parts, B, K)
     if K > _DECODE_TILE_MAX_K:
         # the residual from the decode's blocks of latents, then gv from the row dot products (which
         # take blocks of latents too): the decoder rows are read twice instead of once
         resid = _decode_blocks(indices, vals, weight, bias, acc).sub_(target)
         gv = row_dot(indices, weight, resid, None, acc, acc)
         return resid.square().sum() / (B * D), resid, gv[None]
+    resid = torch.empty(B, D, device=vals.device, dtype=acc)
     gv = torch.empty(P, B, K, device=vals.device, dtype=acc)
     row_loss = torch.empty(P, B, device=vals.device, dtype=acc)
     _launch(_sae_decode_fwd_kernel, (B, P),
