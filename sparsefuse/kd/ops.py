@@ -291,7 +291,8 @@ def topk_kd_loss_from_logits(
         target_token_ids: ``[..., K]`` teacher top-K token ids in ``[0, V)`` (masked slots may hold
             anything; unmasked ids outside the range raise ``IndexError``, see ``set_index_checks``).
             A token's unmasked ids should be distinct; ``"tail"`` requires it (``ValueError`` when
-            index checks are on; see the module docstring).
+            index checks are on; see the module docstring). At most :data:`MAX_SLOTS` (512) slots
+            where the kernels run (CUDA, or the Triton interpreter), here and from hidden states.
         target_logprobs, target_mask, temperature, reduction, num_items_in_batch, return_per_token:
             as in :func:`topk_kd_loss` (padding slots must be masked for ``"topk"`` and ``"tail"``).
         normalize: ``"topk"``, ``"full"`` (default) or ``"tail"`` (see the module docstring).
