@@ -60,7 +60,8 @@ _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 
 
 def _gather_config(K: int, D: int, itemsize: int) -> dict:
-    """BLOCK_K covers the K latents of a row (up to _MAX_BLOCK_K); BLOCK_D fills the rest of the register tile."""
+    """BLOCK_K covers the K latents of a row, up to _MAX_BLOCK_K (more take several programs);
+    BLOCK_D fills the rest of the register tile."""
     block_k = min(next_pow2(K), _MAX_BLOCK_K)
     cap = 128 if itemsize <= 2 else 256
     block_d = max(16, min(next_pow2(max(D, 1)), cap, _GATHER_TILE // block_k))

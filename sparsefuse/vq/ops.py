@@ -158,14 +158,12 @@ def check_ema_options(semantics, decay, eps, threshold=0.0, reset_cluster_size=N
 def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, threshold=0.0,
                       reset_cluster_size=None, restart_after_steps=0, generator=None):
     check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
-    if torch.is_grad_enabled():  # the state must not require grad (overlaps fail the contiguity checks)
-        for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
-                        ("steps_since_active", counters)):
-            if isinstance(t, Tensor) and t.requires_grad:
-                check_in_place(name, t)  # raises, naming it
+    grad = torch.is_grad_enabled()
     for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
                     ("steps_since_active", counters)):
         if isinstance(t, Tensor):
+            if grad and t.requires_grad:  # the state must not require grad (overlaps fail the contiguity checks)
+                check_in_place(name, t)  # raises, naming it
             check_not_inference(name, t)
     if generator is not None:
         if torch.compiler.is_compiling():
