@@ -1005,7 +1005,8 @@ def test_bench_cli_without_gpu_runs_correctness_check():
     pytest.param(1000, 3, 1000, 1, id="B1000-K3-F1000-D1"),
     pytest.param(333, 64, 4099, 777, id="B333-K64-F4099-D777"),
     pytest.param(64, 1000, 5000, 300, id="B64-K1000-F5000-D300"),
-    # past one tile's latents (_MAX_BLOCK_K): a launch for all of them asked for 64 warps from K = 8193
+    # past _DECODE_TILE_MAX_K (decode blocks) and _MAX_BLOCK_K (row-dot blocks): one tile for all of a
+    # row's latents asked for 64 warps from K = 8193
     pytest.param(5, 9000, 20000, 40, id="B5-K9000-F20000-D40"),
 ])
 def test_gpu_matches_fp64_reference(op, dtype, B, K, F, D):

@@ -293,8 +293,8 @@ def test_bad_input_errors(mutate, exc, match):
 @pytest.mark.parametrize("bad", ["huge", "F"])
 def test_unchecked_out_of_range_indices_poison_with_nan(bad):
     """With the host check off, a bad index never reads out of bounds: its output is NaN, and so is
-    grad_x_shift, which sums over every entry. Index F (one past the last row) too: the weight is the first F rows of a larger buffer, so a kernel that
-    let F through would read a finite row there."""
+    grad_x_shift, which sums over every entry. Index F (one past the last row) too: the weight is the
+    first F rows of a larger buffer, so a kernel that let F through would read a finite row there."""
     x, weight, idx, bias, shift = make(4, 3, 6, 5, torch.float32)
     weight = torch.cat([weight, torch.ones_like(weight[:1])])[:6]
     idx[1, 1] = 6 if bad == "F" else 1_000_000
