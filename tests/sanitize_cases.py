@@ -156,14 +156,13 @@ def vq(dev: str, dtypes) -> None:
         (xq,) = leaves(x)
         out, loss = quantize(xq, codes, cb.to(dt), 0.5)
         grads(out.sum() + loss, [xq])
-    from test_vq import make
+    from test_vq import make, restart_options
 
     for L in (None, 2):
         for semantics in ("laplace", "active"):
             for det in (False, True):  # most codes unused: restarts
                 x, codes, *state = make(B, K, D, L=L, device=dev, used=K // 3)
-                sparsefuse.vq_ema_update(x, codes, *state, semantics=semantics, threshold=1.5,
-                                         restart_after_steps=2, deterministic=det,
+                sparsefuse.vq_ema_update(x, codes, *state, **restart_options(semantics, 1.5, 2), deterministic=det,
                                          generator=torch.Generator(device=dev).manual_seed(1))
     # the restart of the multi-rank path (rows summed over ranks), called as one rank would
     cb, es = torch.randn(2, K, D, device=dev), torch.randn(2, K, D, device=dev)

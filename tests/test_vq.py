@@ -33,14 +33,21 @@ def make(B, K, D, *, L=None, dtype=torch.float32, device=DEVICE, seed=0, used=No
     return [t.to(device) for t in (x.to(dtype), codes, codebook, cs, es, cnt)]
 
 
+def restart_options(semantics, threshold=1.5, restart_after=3, reset=None):
+    """``vq_ema_update``'s restart options of one semantics (it refuses the other's)."""
+    if semantics == "active":
+        return dict(semantics=semantics, restart_after_steps=restart_after)
+    return dict(semantics=semantics, threshold=threshold, reset_cluster_size=reset)
+
+
 def run_both(x, codes, state, *, semantics, decay=0.9, threshold=1.5, restart_after=3, reset=None, seed=7,
              deterministic=False, eps=1e-5):
-    """(fused state, float64 reference state) after one update from the same generator state."""
+    """(fused state, float64 reference state) after one update from the same generator state; each
+    semantics takes its own restart options (the reference ignores the other's)."""
     got = [t.clone() for t in state]
     dev = x.device
-    vq_ema_update(x, codes, *got, decay=decay, semantics=semantics, threshold=threshold, reset_cluster_size=reset,
-                  restart_after_steps=restart_after, generator=torch.Generator(device=dev).manual_seed(seed),
-                  deterministic=deterministic, eps=eps)
+    vq_ema_update(x, codes, *got, decay=decay, **restart_options(semantics, threshold, restart_after, reset),
+                  generator=torch.Generator(device=dev).manual_seed(seed), deterministic=deterministic, eps=eps)
     want = [t.double() if t.is_floating_point() else t.clone() for t in state]
     reference.ema_update(x.double(), codes, *want, decay=decay, active=semantics == "active", threshold=threshold,
                          reset=reset, restart_after=restart_after, eps=eps,
@@ -169,7 +176,7 @@ def test_levels_equal_loop_of_single_levels(semantics):
     L, B, K, D = 3, 21, 9, 7
     x, codes, *state = make(B, K, D, L=L, used=5)
     got = [t.clone() for t in state]
-    vq_ema_update(x, codes, *got, decay=0.8, semantics=semantics, threshold=1.5, restart_after_steps=3,
+    vq_ema_update(x, codes, *got, decay=0.8, **restart_options(semantics, 1.5, 3),
                   generator=torch.Generator(device=DEVICE).manual_seed(5))
     key = reference.draw_key(L, DEVICE, torch.Generator(device=DEVICE).manual_seed(5))
     for level in range(L):
@@ -304,7 +311,7 @@ def test_consecutive_updates_reuse_the_zeroed_workspace(semantics, L):
     ws = None
     for step in range(5):
         x, codes, *_ = make(B, K, D, L=L, seed=100 + step, used=K - 20 if step % 2 else None)
-        vq_ema_update(x, codes, *got, decay=0.8, semantics=semantics, threshold=1.0, restart_after_steps=2,
+        vq_ema_update(x, codes, *got, decay=0.8, **restart_options(semantics, 1.0, 2),
                       generator=torch.Generator(device=DEVICE).manual_seed(step))
         reference.ema_update(x.double(), codes, *want, decay=0.8, active=semantics == "active", threshold=1.0,
                              restart_after=2, generator=torch.Generator(device=DEVICE).manual_seed(step))
@@ -447,6 +454,21 @@ def test_ema_update_bad_inputs():
             vq_ema_update(x, codes, *[t.clone() for t in state], **{name: bad})
     with pytest.raises(ValueError, match=re.escape("restart_after_steps must be a whole number of steps, got 2.5")):
         vq_ema_update(x, codes, *state, semantics="active", restart_after_steps=2.5)
+    # an option of the other semantics was ignored: "laplace" never restarted by age, "active" never
+    # by threshold, and the caller was not told
+    with pytest.raises(ValueError, match=re.escape("restart_after_steps applies to semantics='active'; 'laplace' "
+                                                   "restarts a code whose cluster_size falls below threshold "
+                                                   "(got restart_after_steps=2)")):
+        vq_ema_update(x, codes, *state, semantics="laplace", threshold=1.0, restart_after_steps=2)
+    for kw in (dict(threshold=1.0), dict(reset_cluster_size=0.0)):
+        with pytest.raises(ValueError, match=re.escape("threshold and reset_cluster_size apply to "
+                                                       "semantics='laplace'; 'active' restarts a code unused for "
+                                                       "restart_after_steps steps (got threshold=")):
+            vq_ema_update(x, codes, *state, semantics="active", restart_after_steps=2, **kw)
+        with pytest.raises(ValueError, match="apply to semantics='laplace'"):
+            VectorQuantizer(4, 8, semantics="active", **kw)
+    with pytest.raises(ValueError, match="applies to semantics='active'"):
+        VectorQuantizer(4, 8, restart_after_steps=3)
     # a tensor decay was read with float(): a host sync per step
     with pytest.raises(ValueError, match=r"decay must lie in \[0, 1\], got tensor"):
         vq_ema_update(x, codes, *state, decay=torch.tensor(0.9))
@@ -1222,7 +1244,8 @@ def test_module_refuses_bad_options_when_built(levels):
                     (dict(precision="tf32"), "precision must be one of ('exact', 'ieee', 'fast'), got 'tf32'")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             build(4, 8, **kw)
-    build(4, 8, decay=1.0, eps=1e-3, threshold=0.5, reset_cluster_size=0.0, restart_after_steps=3, precision="fast")
+    build(4, 8, decay=1.0, eps=1e-3, threshold=0.5, reset_cluster_size=0.0, precision="fast")
+    build(4, 8, semantics="active", restart_after_steps=3)
 
 
 @pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
@@ -1475,7 +1498,7 @@ def test_gpu_consecutive_updates_through_the_workspace(B, K, D, dtype):
     want = [t.double() if t.is_floating_point() else t.clone() for t in state]
     for step, semantics in enumerate(["active", "laplace", "active", "laplace"]):
         x, codes, *_ = make(B, K, D, dtype=dtype, seed=10 + step, used=K - K // 8)
-        vq_ema_update(x, codes, *got, decay=0.9, semantics=semantics, threshold=1.0, restart_after_steps=2,
+        vq_ema_update(x, codes, *got, decay=0.9, **restart_options(semantics, 1.0, 2),
                       generator=torch.Generator(device="cuda").manual_seed(step))
         reference.ema_update(x.double(), codes, *want, decay=0.9, active=semantics == "active", threshold=1.0,
                              restart_after=2, generator=torch.Generator(device="cuda").manual_seed(step))
@@ -1536,7 +1559,7 @@ def test_gpu_levels(semantics):
     L, B, K, D = 4, 4096, 512, 64
     x, codes, *state = make(B, K, D, L=L, used=400)
     got = [t.clone() for t in state]
-    vq_ema_update(x, codes, *got, decay=0.9, semantics=semantics, threshold=1.0, restart_after_steps=2,
+    vq_ema_update(x, codes, *got, decay=0.9, **restart_options(semantics, 1.0, 2),
                   generator=torch.Generator(device="cuda").manual_seed(5))
     key = reference.draw_key(L, "cuda", torch.Generator(device="cuda").manual_seed(5))
     for level in range(L):

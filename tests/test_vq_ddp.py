@@ -33,7 +33,8 @@ def _inputs(device):
 def _update(x, codes, state, group, semantics, device):
     from sparsefuse import vq_ema_update
 
-    vq_ema_update(x, codes, *state, decay=0.9, semantics=semantics, threshold=1.5, restart_after_steps=2,
+    restart = dict(restart_after_steps=2) if semantics == "active" else dict(threshold=1.5)
+    vq_ema_update(x, codes, *state, decay=0.9, semantics=semantics, **restart,
                   generator=torch.Generator(device=device).manual_seed(11), process_group=group)
 
 

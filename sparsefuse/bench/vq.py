@@ -51,7 +51,8 @@ def make_state(B, K, D, device, *, dtype=torch.float32, seed=0):
 
 
 def _ema_kwargs(semantics):
-    return dict(decay=0.99, semantics=semantics, threshold=THRESHOLD, restart_after_steps=RESTART_AFTER)
+    restart = dict(restart_after_steps=RESTART_AFTER) if semantics == "active" else dict(threshold=THRESHOLD)
+    return dict(decay=0.99, semantics=semantics, **restart)
 
 
 def _reference_update(x, codes, codebook, cluster_size, embed_sum, counters, semantics):

@@ -77,7 +77,8 @@ class VectorQuantizer(nn.Module):
         dim, codebook_size: D and K.
         decay, semantics, eps, threshold, reset_cluster_size, restart_after_steps: passed to
             :func:`sparsefuse.vq_ema_update` (``threshold`` is the dead-code threshold of the
-            ``"laplace"`` semantics; 0 turns restarts off).
+            ``"laplace"`` semantics, ``restart_after_steps`` the dead-code age of ``"active"``; 0
+            turns restarts off; an option of the other semantics is refused).
         commitment_weight: beta of the commitment loss.
         cosine, precision: passed to :func:`sparsefuse.nearest_code`.
         kmeans_init, kmeans_iters: initialise the codebook with Lloyd's k-means on the first

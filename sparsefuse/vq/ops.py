@@ -153,6 +153,14 @@ def check_ema_options(semantics, decay, eps, threshold=0.0, reset_cluster_size=N
     check_number("restart_after_steps", restart_after_steps, positive=False)
     if restart_after_steps != int(restart_after_steps):
         raise ValueError(f"restart_after_steps must be a whole number of steps, got {restart_after_steps!r}")
+    # each semantics has its own restart rule; an option of the other one would be ignored silently
+    if semantics == "laplace" and restart_after_steps:
+        raise ValueError("restart_after_steps applies to semantics='active'; 'laplace' restarts a code whose "
+                         f"cluster_size falls below threshold (got restart_after_steps={restart_after_steps!r})")
+    if semantics == "active" and (threshold or reset_cluster_size is not None):
+        raise ValueError("threshold and reset_cluster_size apply to semantics='laplace'; 'active' restarts a code "
+                         f"unused for restart_after_steps steps (got threshold={threshold!r}, "
+                         f"reset_cluster_size={reset_cluster_size!r})")
 
 
 def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, threshold=0.0,
@@ -233,6 +241,8 @@ def vq_ema_update(
             ``threshold``, and S = N * v) or ``"active"`` (only codes used in the batch blend and
             refresh, codebook = S / max(N, eps); a code unused for ``restart_after_steps`` steps
             restarts with N = S = 0). See ``sparsefuse.vq.reference`` for the exact math.
+            ``threshold`` and ``reset_cluster_size`` belong to ``"laplace"``, ``restart_after_steps``
+            to ``"active"``; the other semantics refuses them (``ValueError``) rather than ignore them.
         eps: Laplace smoothing epsilon, or the floor on N for ``"active"``; must be positive.
         generator: ``torch.Generator`` on the codebook's device type for the restart rows (same
             state, same rows); None: the device's default generator. Not under ``torch.compile``:
