@@ -9,6 +9,7 @@ from .kd import TopKKDLoss, topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss
 from .sae import hierarchical_sae_loss, sae_decode, sparse_linear, topk_sae_loss
 from .sae.modules import TopKSAE
 from .vq import ResidualVQ, VectorQuantizer, nearest_code, vq_ema_update
+from . import compat  # noqa: E402  (sparsefuse.compat.* after a plain `import sparsefuse`)
 
 __version__ = "0.1.0"
 

@@ -888,6 +888,9 @@ def test_compat_aliases():
                        sparsefuse.topk_sae_loss(idx, weight, vals, bias, target))
     assert torch.equal(compat.triton_hierarchical_sae_loss(idx, weight, vals, bias, target),
                        sparsefuse.hierarchical_sae_loss(idx, weight, vals, bias, target))
+    # the README names them sparsefuse.compat.*: reachable after a plain `import sparsefuse`
+    _run_without_interpreter("import sparsefuse\nsparsefuse.compat.triton_topk_sae_loss\n"
+                             "sparsefuse.compat.kd_loss_triton\nsparsefuse.compat.ema_update\nprint('ok')")
 
 
 @pytest.mark.parametrize("op", list(OPS))

@@ -197,8 +197,8 @@ def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Ten
         x_shift: ``[D]`` subtracted from every row of x first, or None.
         values: ``[B, K]``, the forward result when the caller already has it (an SAE has it from
             the dense product that chose ``indices``: ``pre.topk(K)`` returns it). It is returned
-            (as a copy, in the output dtype) instead of being recomputed, and is not checked; the
-            backward is the same. Not differentiable.
+            (as a copy, in the output dtype) instead of being recomputed; its shape, dtype and
+            device are checked, its values are not. The backward is the same. Not differentiable.
 
     Returns:
         ``[B, K]`` in the promoted dtype of the float inputs, accumulated in float32 (float64 for
@@ -474,8 +474,9 @@ def hierarchical_sae_loss(
     converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
 
     When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
-    has a pass that can apply the incoming gradient (16-bit weights, deterministic mode when the
-    staged rows fit in one column chunk, or a frozen decoder), the forward runs the backward's
+    has a pass that can apply the incoming gradient (16-bit weights, deterministic mode with fp32,
+    fp16 or fp64 weights, or with bf16 weights when the staged rows fit in one column chunk, or a
+    frozen decoder), the forward runs the backward's
     sweep as well, in the same launch, and hands the backward unscaled gradients: the decoder rows
     come from DRAM once per step instead of twice (the second sweep finds them in L1 / L2). The
     weight-gradient buffer (or the staged rows: B*K*D floats in deterministic fp32) is then held
