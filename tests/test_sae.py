@@ -301,6 +301,12 @@ def test_non_finite_values_propagate(op):
     w[used, 2] = float("inf")
     out = OPS[op][0](idx, w, vals, bias, target)
     assert not torch.isfinite(out).all()
+    if op != "decode":  # the gradients too: column 2 of the error is inf, the other columns finite
+        w, v, b = (t.clone().requires_grad_() for t in (w, vals, bias))
+        gw, gv, gb = torch.autograd.grad(OPS[op][0](idx, w, v, b, target), (w, v, b))
+        others = [d for d in range(gw.shape[1]) if d != 2]
+        assert not torch.isfinite(gw[used, 2]) and not torch.isfinite(gb[2]) and not torch.isfinite(gv[1]).all()
+        assert torch.isfinite(gw[:, others]).all() and torch.isfinite(gb[others]).all()
     if unused:  # a poisoned row nobody selects changes nothing
         w = weight.clone()
         w[unused[0]] = float("nan")
