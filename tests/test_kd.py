@@ -899,6 +899,41 @@ def test_out_of_range_id_without_checks_kernels_match_reference(normalize):
     assert [bool(torch.isfinite(x).all()) for x in (gw, gb)] == [normalize == "topk"] * 2
 
 
+@pytest.mark.parametrize("normalize", NORMS)
+def test_out_of_range_label_without_checks_poisons_the_token(normalize):
+    """Index checks off (the CUDA default): a label outside [0, V) that is not -100 (padding with -1,
+    say) made the loss NaN, but the kernels' gradients stayed finite (the cross-entropy term without
+    its target column) and the reference raised in gather. Now that token's gradient row is NaN on
+    both, so grad_hidden's row and every column of the weight and bias gradients are NaN, and the
+    other tokens' grad_hidden rows are as with the label ignored. The reference function under
+    autograd gives NaN gradients too."""
+    from sparsefuse.kd import kernels
+
+    d = make(5, 3, 37, dtype=torch.float64, dup=normalize != "tail")
+    code = ref.NORMALIZE[normalize]
+    for bad in (-1, 37):
+        labels, ignored = d["labels"].clone(), d["labels"].clone()
+        labels[2], ignored[2] = bad, -100
+        sparsefuse.set_index_checks(False)
+        try:
+            out = [hid(d["h"], d["w"], d["b"], d["ids"], d["t"], d["m"], lab, code, 1.3, 2, None, 1.0, 0.5,
+                       True, True, True, 0)
+                   for hid in (kernels.hidden_fwd, ref.kd_hidden_fwd) for lab in (labels, ignored)]
+            h, w = leaf(d["h"]), leaf(d["w"])
+            gh_ref, gw_ref = torch.autograd.grad(
+                ref.topk_kd_loss_from_hidden(h, w, d["ids"], d["t"], d["m"], normalize=normalize, labels=labels,
+                                             ce_weight=0.5, reduction="sum")[0], [h, w])
+        finally:
+            sparsefuse.set_index_checks(None)
+        for (loss, _, gh, gw, gb, _), (_, _, gh_ok, _, _, _) in (out[:2], out[2:]):
+            assert torch.isnan(loss) and torch.isnan(gh[2]).all() and torch.isnan(gw).all() and torch.isnan(gb).all()
+            rest = [0, 1, 3, 4]
+            torch.testing.assert_close(gh[rest], gh_ok[rest], rtol=1e-9, atol=1e-12)
+        for a, b in zip(out[0], out[2]):
+            torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
+        assert torch.isnan(gh_ref[2]).all() and torch.isnan(gw_ref).all()
+
+
 @pytest.mark.parametrize("T", [1.0, 2.0])
 def test_tail_repeated_id_without_checks_poisons_the_token(T):
     """Index checks off (the CUDA default), "tail": a token whose unmasked ids repeat gets a NaN loss
@@ -1071,9 +1106,16 @@ def test_scalar_options_are_checked():
         return sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"], labels=d["labels"], **kw)
 
     assert_close(hid(ce_weight=np.float64(0.5), chunk_size=np.int64(2)), hid(ce_weight=0.5), torch.float32, "numpy")
-    for bad in (-0.5, float("nan"), True, "0.5", None):
+    for bad in (-0.5, float("nan"), True, "0.5"):
         with pytest.raises(ValueError, match="ce_weight must be a non-negative finite number"):
             hid(ce_weight=bad)
+    # labels without ce_weight added nothing, without a word; ce_weight=0 still turns the term off
+    msg = "labels are given but ce_weight is not: pass ce_weight > 0 to add their cross-entropy"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        hid()
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        sparsefuse.TopKKDLoss()(d["h"], d["ids"], d["t"], d["m"], lm_head_weight=d["w"], labels=d["labels"])
+    assert torch.equal(hid(ce_weight=0), sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"]))
     with pytest.raises(TypeError, match="ce_weight must be a Python number, not a tensor"):
         hid(ce_weight=torch.tensor(0.5))
     with pytest.raises(ValueError, match="ce_weight must be a non-negative finite number"):
@@ -1087,7 +1129,9 @@ def test_scalar_options_are_checked():
             sparsefuse.TopKKDLoss(**kw)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=r"chunk_size must be a positive integer or None \(automatic\)"):
-            hid(chunk_size=bad)
+            hid(chunk_size=bad, ce_weight=0.5)
+        with pytest.raises(ValueError, match=r"chunk_size must be a positive integer or None \(automatic\)"):
+            sparsefuse.TopKKDLoss(chunk_size=bad)  # was accepted, and refused at the first hidden-form call
 
 
 def test_weight_grad_configs_share_one_block_e():

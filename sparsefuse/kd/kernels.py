@@ -359,8 +359,13 @@ def _kd_row_bwd_kernel(
     if NORMALIZE > 0:
         b_lse = tl.load(lse_ptr + i_n)
     b_lse1 = 0.0
+    i_lab = tl.full([], IGNORE, tl.int64)
     if HAS_CE:
         b_lse1 = tl.load(lse1_ptr + i_n)
+        i_lab = tl.load(lab_ptr + i_n).to(tl.int64)
+        # a label outside [0, V) that is not ignored (index checks off) makes the token's loss NaN
+        # in the forward; its whole gradient row is NaN too, as for an out-of-range id
+        b_nan += tl.where((i_lab != IGNORE) & ((i_lab < 0) | (i_lab >= V)), float("nan"), 0.0)
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
     b_ids = tl.load(ids_ptr + i_n * K + o_k, mask=m_k, other=-1).to(tl.int64)  # [BLOCK_K]
@@ -378,7 +383,6 @@ def _kd_row_bwd_kernel(
     if NORMALIZE == 2:
         b_vk += b_cA * 0.0  # the NaN of a token with an out-of-range id
     if HAS_CE:
-        i_lab = tl.load(lab_ptr + i_n).to(tl.int64)
         b_fc = tl.where(i_lab != IGNORE, b_fc, 0.0)  # an ignored token has no cross-entropy term
         m_lab = (i_lab != IGNORE) & (i_lab >= v_lo) & (i_lab < v_hi)
         b_zl = tl.load(p_z + i_lab, mask=m_lab, other=0).to(ACC)

@@ -7,8 +7,8 @@ from typing import Optional
 from torch import Tensor, nn
 
 from .._validate import check_number
-from .ops import (_check_reduction, _check_temperature, _normalize_code, topk_kd_loss, topk_kd_loss_from_hidden,
-                  topk_kd_loss_from_logits)
+from .ops import (_check_reduction, _check_temperature, _normalize_code, _check_chunk_size, topk_kd_loss,
+                  topk_kd_loss_from_hidden, topk_kd_loss_from_logits)
 
 
 class TopKKDLoss(nn.Module):
@@ -23,7 +23,7 @@ class TopKKDLoss(nn.Module):
     * ``(hidden, target_token_ids, target_logprobs, target_mask, lm_head_weight=W, lm_head_bias=b,
       labels=y)``: hidden states through the fused LM head. ``lm_head_bias``, ``labels`` and a
       non-zero ``ce_weight`` belong to this form only: without ``lm_head_weight`` they raise
-      ``ValueError``.
+      ``ValueError``. ``labels`` need a ``ce_weight`` (0 keeps the term off).
 
     ``num_items_in_batch`` may be passed per call. With ``return_per_token`` it returns
     ``(loss, per_token)``. See :func:`sparsefuse.topk_kd_loss_from_logits` for the math and
@@ -31,13 +31,15 @@ class TopKKDLoss(nn.Module):
     """
 
     def __init__(self, normalize: str = "full", temperature: float = 1.0, reduction: str = "mean",
-                 ce_weight: float = 0.0, chunk_size: Optional[int] = None, return_per_token: bool = False):
+                 ce_weight: Optional[float] = None, chunk_size: Optional[int] = None,
+                 return_per_token: bool = False):
         super().__init__()
         _normalize_code(normalize)  # refused here rather than at the first call
         _check_temperature(temperature)
         _check_reduction(reduction)
+        _check_chunk_size(chunk_size)
         self.normalize, self.temperature, self.reduction = normalize, temperature, reduction
-        self.ce_weight = check_number("ce_weight", ce_weight, positive=False)
+        self.ce_weight = None if ce_weight is None else check_number("ce_weight", ce_weight, positive=False)
         self.chunk_size, self.return_per_token = chunk_size, return_per_token
 
     def extra_repr(self) -> str:
@@ -56,7 +58,7 @@ class TopKKDLoss(nn.Module):
                 lm_head_bias=lm_head_bias, labels=labels, ce_weight=self.ce_weight, chunk_size=self.chunk_size,
                 **common)
         for name, given in (("lm_head_bias", lm_head_bias is not None), ("labels", labels is not None),
-                            (f"ce_weight={self.ce_weight}", self.ce_weight != 0)):
+                            (f"ce_weight={self.ce_weight}", bool(self.ce_weight))):
             if given:
                 raise ValueError(f"TopKKDLoss: {name} is used by the hidden-state form only; pass lm_head_weight "
                                  f"(and hidden states as the input), or leave it out")

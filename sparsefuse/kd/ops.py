@@ -94,6 +94,13 @@ def _check_temperature(temperature):
     return check_number("temperature", temperature, positive=True)
 
 
+def _check_chunk_size(chunk_size):
+    """The hidden form's tokens per chunk: a positive integer, or None (from the vocabulary size)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}")
+
+
 def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
     """Flatten the teacher tensors to [N, K] (ids for the forms that take them) and check them."""
     if with_ids:
@@ -434,7 +441,7 @@ def topk_kd_loss_from_hidden(
     hidden: Tensor, lm_head_weight: Tensor, target_token_ids: Tensor, target_logprobs: Tensor,
     target_mask: Optional[Tensor] = None, *, normalize: str = "full", temperature: float = 1.0,
     reduction: str = "mean", num_items_in_batch: Union[int, float, Tensor, None] = None,
-    lm_head_bias: Optional[Tensor] = None, labels: Optional[Tensor] = None, ce_weight: float = 0.0,
+    lm_head_bias: Optional[Tensor] = None, labels: Optional[Tensor] = None, ce_weight: Optional[float] = None,
     return_per_token: bool = False, chunk_size: Optional[int] = None,
 ):
     """Top-K distillation loss from the student's last hidden states, fused with the LM head.
@@ -464,10 +471,14 @@ def topk_kd_loss_from_hidden(
         lm_head_bias: ``[V]`` (same dtype as ``lm_head_weight``) or None.
         labels: ``[...]`` hard labels for an added cross-entropy (ignore index -100), or None.
         ce_weight: weight (a finite number >= 0) of the cross-entropy term, computed on the untempered
-            logits with the same reduction (``"mean"``: over labels that are not -100).
+            logits with the same reduction (``"mean"``: over labels that are not -100). Required with
+            ``labels`` (``ValueError`` otherwise: labels alone would add nothing); 0 turns the term
+            off, as for a schedule that starts it later. None (default) without labels: no term.
         return_per_token: also return the per-token KD loss ``[...]``. It is not differentiable (the
             gradients are computed in the forward pass for ``loss``): a backward that sends a gradient
-            into it raises ``RuntimeError``. Use it detached, or the logits form.
+            into it raises ``RuntimeError``, or, under ``torch.compile`` (where checking would cost a
+            host sync), makes every returned gradient NaN when that gradient is non-zero. Use it
+            detached, or the logits form.
         chunk_size: tokens per chunk, a positive integer, or None (default: from the vocabulary size).
 
     Returns:
@@ -484,12 +495,15 @@ def topk_kd_loss_from_hidden(
         raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected {list(lead) + [H]}")
     check_tensor("lm_head_bias", lm_head_bias, shape=(V,), dtypes=(lm_head_weight.dtype,), device=dev, optional=True)
     check_not_empty("lm_head_weight", lm_head_weight, 0, "row (V >= 1)")
+    if ce_weight is None:
+        if labels is not None:
+            raise ValueError("labels are given but ce_weight is not: pass ce_weight > 0 to add their "
+                             "cross-entropy (ce_weight=0 leaves it out)")
+        ce_weight = 0.0
     ce_weight = check_number("ce_weight", ce_weight, positive=False)
     if ce_weight and labels is None:
         raise ValueError("ce_weight is set but labels is None")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
-                                   or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     if labels is not None:
         check_tensor("labels", labels, dtypes=INDEX_DTYPES, device=dev)
         if tuple(labels.shape) != lead:

@@ -142,13 +142,23 @@ def topk_kd_loss_from_logits(logits, target_token_ids, target_logprobs, target_m
     return _reduce(tok, valid, reduction, num_items_in_batch), tok.reshape(lead)
 
 
-def cross_entropy_terms(logits, labels):
-    """(sum of per-token CE over labels != -100, count of such labels), in the logits' dtype."""
-    labels = labels.reshape(-1)
+def _label_columns(labels, V):
+    """(has [N]: label is not -100, bad [N]: a label outside [0, V) that is not -100 (index checks
+    off), column [N, 1] int64 to gather or scatter at: the label, or 0 where there is none)."""
     has = labels != IGNORE_INDEX
+    bad = has & ((labels < 0) | (labels >= V))
+    return has, bad, torch.where(has & ~bad, labels, torch.zeros_like(labels)).long()[:, None]
+
+
+def cross_entropy_terms(logits, labels):
+    """(sum of per-token CE over labels != -100, count of such labels), in the logits' dtype. A label
+    outside [0, V) (index checks off) makes its token's term NaN, and its gradient under autograd."""
+    labels = labels.reshape(-1)
+    has, bad, col = _label_columns(labels, logits.shape[-1])
     lse = torch.logsumexp(logits, -1)
-    z_l = logits.gather(-1, torch.where(has, labels, torch.zeros_like(labels)).long()[:, None])[:, 0]
-    return torch.where(has, lse - z_l, torch.zeros_like(lse)).sum(), has.sum()
+    z_l = logits.gather(-1, col)[:, 0]
+    ce = torch.where(has, lse - z_l, torch.zeros_like(lse))
+    return (ce * torch.where(bad, float("nan"), 1.0).to(ce.dtype)).sum(), has.sum()
 
 
 def topk_kd_loss_from_hidden(hidden, lm_head_weight, target_token_ids, target_logprobs, target_mask=None, *,
@@ -320,11 +330,11 @@ def dense_grad(z, ids, valid, lse, A, corr, c_kd, temperature, labels=None, lse1
     g = g.scatter_add(-1, torch.where(valid, ids, torch.zeros_like(ids)).long(),
                       corr * (c_kd * temperature)[:, None])
     if labels is not None:
-        has = labels != IGNORE_INDEX
+        has, bad, lab = _label_columns(labels, z.shape[1])
         c_ce = torch.where(has, c_ce, torch.zeros_like(c_ce))
         g = g + c_ce[:, None] * (z.to(A.dtype) - lse1[:, None]).exp()
-        lab = torch.where(has, labels, torch.zeros_like(labels)).long()[:, None]
         g = g.scatter_add(-1, lab, torch.where(has, -c_ce, torch.zeros_like(c_ce))[:, None])
+        g = g.masked_fill(bad[:, None], float("nan"))  # as for an out-of-range id: the whole row
     return g
 
 
