@@ -303,6 +303,11 @@ def test_fvu_curve_without_variance_is_nan():
     for x in (_x(rows=1), _x(rows=1).repeat(4, 1)):
         curve = m.fvu_curve(x)
         assert list(curve) == [1, 2, 4, 5] and all(v != v for v in curve.values()), curve
+        # nor the forward's default variance (it was clamped to 1e-30: a loss of order 1e30); a
+        # variance passed in still evaluates the row
+        for hier in (False, True):
+            assert torch.isnan(_model(hier)(x).recon_loss)
+            assert torch.isfinite(_model(hier)(x, variance=1.0).recon_loss)
 
 
 @pytest.mark.parametrize("ks", [[6], [0, 2], [2.0]])
@@ -341,11 +346,14 @@ def test_forward_and_helpers_refuse_bad_input():
                      (x[None], "x must have 2 dimensions"), (x.long(), "x has dtype int64")):
         with pytest.raises((ValueError, TypeError), match=msg):
             m(bad)
+        with pytest.raises((ValueError, TypeError), match=msg):  # it reported a [B, 1, K] x as "indices"
+            m.fvu_curve(bad)
 
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(k=30), "k must be between 1 and n_latents=24"),
     (dict(k=0), "k must be between 1"),
+    (dict(k=3.0), "k must be a positive int, got 3.0"),  # failed later, in torch.topk
     (dict(decoder="triton"), "decoder must be one of"),
     (dict(encoder="fused"), "encoder must be one of"),
     (dict(k_aux=99), "k_aux must be between 1 and n_latents=24"),

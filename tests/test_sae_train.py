@@ -84,6 +84,18 @@ def test_losses_given_as_a_string_is_refused_by_name():
                   log=lambda *_: None)
 
 
+@pytest.mark.parametrize("kw, msg", [
+    # trained both and returned the second, silently dropping the first
+    (dict(losses=("topk", "topk")), r"losses names a loss more than once: \('topk', 'topk'\)"),
+    (dict(k=2.0), "k must be a positive int, got 2.0"),  # failed in torch.topk
+    (dict(batch_size=20.0), "batch_size must be a positive int, got 20.0"),
+])
+def test_config_refused_by_name(kw, msg):
+    cfg = dict(k=2, n_latents=8, batch_size=20, steps=3, out=None, progress=False) | kw
+    with pytest.raises(ValueError, match=msg):
+        train_sae(TrainConfig(**cfg), log=lambda *_: None)
+
+
 def test_every_message_goes_through_log(tmp_path, capsys):
     """The closing "wrote ..." line was printed past a caller's ``log``."""
     lines = []
@@ -116,6 +128,7 @@ def _write(tmp_path, name, x):
     ("lr-inf", r"lr must be finite and > 0, got inf"),
     ("lr-zero", r"lr must be finite and > 0, got 0.0"),
     ("float64-overflow", r"contain 1 finite values beyond float32's range, which float32 makes infinite in 1 rows"),
+    ("constant", "the training data has no variance: every row is the same"),  # trained, printed FVU nan
 ])
 def test_bad_input_messages(tmp_path, capsys, case, msg):
     args = ["train-sae", "--quiet", "--out", str(tmp_path / "o"), "--steps", "2", "--latents", "16"]
@@ -146,6 +159,8 @@ def test_bad_input_messages(tmp_path, capsys, case, msg):
         args += ["--auxk-alpha", "inf" if case == "auxk-inf" else "-0.5"]
     elif case.startswith("lr-"):  # Adam itself accepts an infinite learning rate
         args += ["--lr", "inf" if case == "lr-inf" else "0"]
+    elif case == "constant":
+        args += ["--data", _write(tmp_path, "a.npy", np.full((40, 4), 3.0, np.float32)), "--batch-size", "4"]
     elif case == "float64-overflow":  # finite in the file, infinite in float32: not "non-finite in the file"
         x = np.ones((20, 4), np.float64)
         x[7, 2] = 1e39

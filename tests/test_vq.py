@@ -470,7 +470,7 @@ def test_ema_update_bad_inputs():
     with pytest.raises(ValueError, match="applies to semantics='active'"):
         VectorQuantizer(4, 8, restart_after_steps=3)
     # a tensor decay was read with float(): a host sync per step
-    with pytest.raises(ValueError, match=r"decay must lie in \[0, 1\], got tensor"):
+    with pytest.raises(TypeError, match="decay must be a Python number, not a tensor"):
         vq_ema_update(x, codes, *state, decay=torch.tensor(0.9))
     for name in ("threshold", "reset_cluster_size", "restart_after_steps"):
         with pytest.raises(TypeError, match=f"{name} must be a Python number, not a tensor"):
@@ -1241,9 +1241,16 @@ def test_module_refuses_bad_options_when_built(levels):
                     (dict(threshold=float("nan")), "threshold must be a non-negative finite number, got nan"),
                     (dict(reset_cluster_size=-1.0), "reset_cluster_size must be a non-negative finite number"),
                     (dict(restart_after_steps=2.5), "restart_after_steps must be a whole number of steps, got 2.5"),
-                    (dict(precision="tf32"), "precision must be one of ('exact', 'ieee', 'fast'), got 'tf32'")):
+                    (dict(precision="tf32"), "precision must be one of ('exact', 'ieee', 'fast'), got 'tf32'"),
+                    # these two reached the loss (NaN, or negative) or skipped k-means, without a word
+                    (dict(commitment_weight=float("nan")), "commitment_weight must be a non-negative finite number"),
+                    (dict(commitment_weight=-1.0), "commitment_weight must be a non-negative finite number"),
+                    (dict(kmeans_iters=-3), "kmeans_iters must be a non-negative int (0: the seeding rows only)"),
+                    (dict(kmeans_iters=2.5), "kmeans_iters must be a non-negative int")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             build(4, 8, **kw)
+    with pytest.raises(TypeError, match="decay must be a Python number, not a tensor"):
+        build(4, 8, decay=torch.tensor(0.9))
     build(4, 8, decay=1.0, eps=1e-3, threshold=0.5, reset_cluster_size=0.0, precision="fast")
     build(4, 8, semantics="active", restart_after_steps=3)
 
@@ -1358,19 +1365,22 @@ def test_residual_vq_uses_one_multi_level_update():
     assert bool(rvq2.initted)
 
 
-def test_residual_vq_loss_and_gradients():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_residual_vq_loss_and_gradients(dtype):
     """The loss is commitment_weight times the mean over levels of mean((r_l - sg(q_l))^2), with
     r_l = x - sg(q_0 + ... + q_{l-1}), and its gradient reaches x; the output passes gradients
     straight through. Against a float64 autograd reference built from the returned codes (eval mode:
-    no update)."""
+    no update). float64 input keeps float64 residuals and loss, as VectorQuantizer does (they were
+    float32)."""
     L, D, K, beta = 3, 5, 7, 0.4
     with torch.random.fork_rng(devices=[]):  # the codebooks' initialisation, without touching the global state
         torch.manual_seed(0)
         rvq = ResidualVQ(L, D, K, commitment_weight=beta).to(DEVICE).eval()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(11, D, generator=g).to(DEVICE).requires_grad_()
-    wts = torch.randn(11, D, generator=g).to(DEVICE)
+    x = torch.randn(11, D, generator=g).to(DEVICE, dtype).requires_grad_()
+    wts = torch.randn(11, D, generator=g).to(DEVICE, dtype)
     out, codes, loss = rvq(x)
+    assert out.dtype == dtype and loss.dtype == dtype
     (g,) = torch.autograd.grad((out * wts).sum() + loss, x)
     x64 = x.detach().double().requires_grad_()
     total = torch.zeros_like(x64)
@@ -1382,9 +1392,9 @@ def test_residual_vq_loss_and_gradients():
     want_loss = want_loss * (beta / L)
     want_out = x64 + (total - x64).detach()
     (want_g,) = torch.autograd.grad((want_out * wts.double()).sum() + want_loss, x64)
-    assert_close(out.detach(), want_out, torch.float32, "quantized")
-    assert_close(loss, want_loss, torch.float32, "loss")
-    assert_close(g, want_g, torch.float32, "grad_x")
+    assert_close(out.detach(), want_out, dtype, "quantized")
+    assert_close(loss, want_loss, dtype, "loss")
+    assert_close(g, want_g, dtype, "grad_x")
 
 
 def test_residual_vq_kmeans_init_fits_each_level_on_the_residual():

@@ -118,6 +118,7 @@ class TopKSAE(nn.Module):
             raise ValueError(f"d_model and n_latents must be >= 1, got d_model={d_model}, n_latents={n_latents}")
         if not 1 <= k <= n_latents:
             raise ValueError(f"k must be between 1 and n_latents={n_latents}, got k={k}")
+        check_positive_int("k", k)  # a whole number: a float k failed later, in torch.topk
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {sorted(DECODERS)}, got {decoder!r}")
         if encoder not in ENCODERS:
@@ -180,7 +181,9 @@ class TopKSAE(nn.Module):
                 in autocast's; the loss targets ``x`` as given).
             variance: the mean squared deviation of the data per element, that the reconstruction
                 loss is divided by: a finite number > 0, or a 0-dim tensor (not checked: reading it
-                would be a host sync). Default: that of this batch (detached). The trainer passes the
+                would be a host sync). Default: that of this batch (detached); a batch without any
+                (one row, or equal rows) makes the losses NaN, as ``fvu_curve`` does, so pass
+                ``variance`` to evaluate single rows. The trainer passes the
                 variance of the whole data set, which keeps the loss linear in the rows of a batch
                 (so data-parallel training matches one process exactly).
             auxk_latents: ``[C]`` int32 or int64, the latents AuxK may choose from, for a caller that
@@ -226,10 +229,13 @@ class TopKSAE(nn.Module):
                 pre = F.linear(xe - shift, self.W_enc, self.b_enc)
             top, indices = pre.topk(self.k, dim=-1, sorted=True)
             vals = F.relu(sparse_linear(xe, self.W_enc, indices, self.b_enc, shift, values=top))
-        if variance is None:  # sum / max(numel, 1): an empty batch gives 0, not NaN (its loss is then 0)
+        if variance is None:
             xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
             xf = xf - xf.sum(0) / max(xf.shape[0], 1)
-            variance = (xf.square().sum() / max(xf.numel(), 1)).clamp_min(1e-30)
+            variance = xf.square().sum() / max(xf.numel(), 1)
+            # an empty batch divides its 0 loss by 1; a batch without variance gets NaN (it was
+            # clamped to 1e-30, which gave a loss and gradients of order 1e30)
+            variance = variance.new_ones(()) if x.shape[0] == 0 else torch.where(variance > 0, variance, math.nan)
         auxk_loss = None
         if self.training and self.config["auxk_alpha"] > 0 and (auxk_latents is None or auxk_latents.numel()):
             auxk_loss = self._auxk_loss(x, xe, pre, indices, vals, topk_loss, auxk_latents)
@@ -333,6 +339,7 @@ class TopKSAE(nn.Module):
         ``x`` have no variance (a single row, or all rows equal): FVU is undefined there.
         """
         check_positive_int("batch_size", batch_size)
+        check_tensor("x", x, shape=(None, self.d_model), dtypes=FLOAT_DTYPES)  # not reported as indices
         ks = powers_of_two_upto(self.k) if ks is None else list(ks)
         bad = [kp for kp in ks if not isinstance(kp, int) or isinstance(kp, bool) or not 1 <= kp <= self.k]
         if bad:

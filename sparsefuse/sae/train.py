@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from .._validate import check_positive_int
 from .data import check_activations, expected_active, load_activations, synthetic_activations
 from .modules import TopKSAE, powers_of_two_upto
 
@@ -323,6 +324,8 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
     for loss in cfg.losses:
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
+    if len(set(cfg.losses)) < len(cfg.losses):  # the second run replaced the first in the results
+        raise ValueError(f"losses names a loss more than once: {tuple(cfg.losses)!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
     if cfg.k < 1 or cfg.n_latents < 1:
@@ -335,6 +338,8 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"log_every must be >= 1, got {cfg.log_every}")
     if cfg.eval_rows < 2:
         raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
+    for name in ("k", "n_latents", "steps", "batch_size", "log_every", "eval_rows"):
+        check_positive_int(name, getattr(cfg, name))  # whole numbers: a float k failed later, in torch.topk
     if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):  # Adam accepts inf
         raise ValueError(f"lr must be finite and > 0, got {cfg.lr}")
     if cfg.dead_tokens is not None and cfg.dead_tokens < 0:
@@ -355,6 +360,8 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         log(f"data: {src}; eval rows: {eval_x.shape[0]}; device: {device}"
             + (f" x {world} processes" if world > 1 else "") + f"; dtype: {cfg.dtype}")
     stats = _data_stats(train)
+    if not stats[1] > 0:  # the loss is divided by it: every row the same trains nothing, FVU is NaN
+        raise ValueError("the training data has no variance: every row is the same")
     batches = _Batches(train, cfg.batch_size // world, device, cfg.data_on_device)
     runs = {}
     for loss in cfg.losses:

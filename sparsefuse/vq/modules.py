@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validate import check_positive_int
+from .._validate import check_number, check_positive_int
 from .ops import batch_statistics, check_ema_options, check_precision, nearest_code, quantize, vq_ema_update
 
 
@@ -65,6 +65,11 @@ def _flatten(module, x: Tensor) -> Tensor:
     return x.reshape(-1, module.dim)
 
 
+def _wide(x: Tensor) -> torch.dtype:
+    """The dtype the residual levels work in: float64 for float64 input, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class VectorQuantizer(nn.Module):
     """Vector quantiser with an EMA codebook, trained by the fused sparsefuse kernels.
 
@@ -79,10 +84,14 @@ class VectorQuantizer(nn.Module):
             :func:`sparsefuse.vq_ema_update` (``threshold`` is the dead-code threshold of the
             ``"laplace"`` semantics, ``restart_after_steps`` the dead-code age of ``"active"``; 0
             turns restarts off; an option of the other semantics is refused).
-        commitment_weight: beta of the commitment loss.
-        cosine, precision: passed to :func:`sparsefuse.nearest_code`.
+        commitment_weight: beta of the commitment loss (a finite number >= 0).
+        cosine, precision: passed to :func:`sparsefuse.nearest_code`. ``cosine`` makes the search
+            use cosine distance and starts the codebook with unit rows; the EMA averages x as given,
+            so ``quantized`` (a codebook row) is not normalised: for spherical VQ, normalise x before
+            the call.
         kmeans_init, kmeans_iters: initialise the codebook with Lloyd's k-means on the first
-            training batch (on the device, all-reduced over ``process_group``).
+            training batch (on the device, all-reduced over ``process_group``); ``kmeans_iters`` >= 0
+            Lloyd iterations after the seeding rows.
         process_group: ``torch.distributed`` group the EMA statistics are reduced over.
         generator: optional ``torch.Generator`` for restarts and k-means seeding (not under
             ``torch.compile(fullgraph=True)``; see :func:`sparsefuse.vq_ema_update`). Its state is
@@ -108,6 +117,9 @@ class VectorQuantizer(nn.Module):
         # refused here rather than at the first training step
         check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
         check_precision(precision)
+        check_number("commitment_weight", commitment_weight, positive=False)  # NaN or < 0 reached the loss
+        if isinstance(kmeans_iters, bool) or not isinstance(kmeans_iters, int) or kmeans_iters < 0:
+            raise ValueError(f"kmeans_iters must be a non-negative int (0: the seeding rows only), got {kmeans_iters!r}")
         super().__init__()
         self.dim, self.codebook_size = dim, codebook_size
         self.decay, self.semantics, self.eps = decay, semantics, eps
@@ -190,7 +202,7 @@ class ResidualVQ(VectorQuantizer):
 
     @torch.no_grad()
     def kmeans_init_(self, x: Tensor) -> None:
-        r = x.detach().reshape(-1, self.dim).float()
+        r = x.detach().reshape(-1, self.dim).to(_wide(x))
         for level in range(self.num_levels):
             c, n = _kmeans(r, self.codebook_size, self.kmeans_iters, cosine=self.cosine, precision=self.precision,
                            generator=self.generator, process_group=self.process_group,
@@ -206,9 +218,10 @@ class ResidualVQ(VectorQuantizer):
         flat = _flatten(self, x)
         if self.training and not self._initted:
             self.kmeans_init_(flat)
-        resid = flat.detach().float()
+        wide = _wide(flat)  # the residuals in float32, float64 for float64 input (as VectorQuantizer)
+        resid = flat.detach().to(wide)
         inputs, all_codes, total = [], [], torch.zeros_like(resid)
-        loss = flat.new_zeros((), dtype=torch.float32)
+        loss = flat.new_zeros((), dtype=wide)
         for level in range(self.num_levels):
             codes, _ = nearest_code(resid, self.codebook[level], cosine=self.cosine, precision=self.precision,
                                     deterministic=self.deterministic)
@@ -216,7 +229,7 @@ class ResidualVQ(VectorQuantizer):
             # reconstruction. Through quantize, whose op saves what its backward needs: built from
             # the codebook buffer, torch.compile's partitioner recomputed r_l - q_l in the backward
             # from the codebook as updated in place below (a wrong gradient for x)
-            q, level_loss = quantize(flat.float() - total, codes, self.codebook[level])
+            q, level_loss = quantize(flat.to(wide) - total, codes, self.codebook[level])
             q = q.detach()
             inputs.append(resid)
             all_codes.append(codes)

@@ -140,7 +140,9 @@ def check_ema_options(semantics, decay, eps, threshold=0.0, reset_cluster_size=N
     """The EMA update's scalar options (also checked when a ``VectorQuantizer`` is built)."""
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
-    number = type(decay) is float or type(decay) is int or (isinstance(decay, numbers.Real)  # not a tensor (a sync)
+    if isinstance(decay, Tensor):  # TypeError, as for the other options: reading it would be a sync
+        check_number("decay", decay, positive=False)
+    number = type(decay) is float or type(decay) is int or (isinstance(decay, numbers.Real)
                                                               and not isinstance(decay, bool))
     if not (number and 0.0 <= decay <= 1.0):
         raise ValueError(f"decay must lie in [0, 1], got {decay!r}")
