@@ -183,9 +183,9 @@ class TopKSAE(nn.Module):
                 loss is divided by: a finite number > 0, or a 0-dim tensor (not checked: reading it
                 would be a host sync). Default: that of this batch (detached); a batch without any
                 (one row, or equal rows) makes the losses NaN, as ``fvu_curve`` does, so pass
-                ``variance`` to evaluate single rows. The trainer passes the
-                variance of the whole data set, which keeps the loss linear in the rows of a batch
-                (so data-parallel training matches one process exactly).
+                ``variance`` to evaluate single rows. The trainer passes the variance of the whole
+                data set, which keeps the loss linear in the rows of a batch (so data-parallel
+                training matches one process exactly).
             auxk_latents: ``[C]`` int32 or int64, the latents AuxK may choose from, for a caller that
                 knows a superset of the dead ones (that it is one is not checked: reading the dead mask
                 would be a host sync). Each id lies in ``[0, F)`` and appears once: where index checks

@@ -476,9 +476,9 @@ def hierarchical_sae_loss(
     When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
     has a pass that can apply the incoming gradient (16-bit weights, deterministic mode with fp32,
     fp16 or fp64 weights, or with bf16 weights when the staged rows fit in one column chunk, or a
-    frozen decoder), the forward runs the backward's
-    sweep as well, in the same launch, and hands the backward unscaled gradients: the decoder rows
-    come from DRAM once per step instead of twice (the second sweep finds them in L1 / L2). The
+    frozen decoder), the forward runs the backward's sweep as well, in the same launch, and hands
+    the backward unscaled gradients: the decoder rows come from DRAM once per step instead of twice
+    (the second sweep finds them in L1 / L2). The
     weight-gradient buffer (or the staged rows: B*K*D floats in deterministic fp32) is then held
     from the forward to the backward, so several such losses summed before one backward hold one
     each. Weights in the accumulation dtype (fp32, or fp64) on the default atomic path keep the

@@ -119,7 +119,8 @@ class VectorQuantizer(nn.Module):
         check_precision(precision)
         check_number("commitment_weight", commitment_weight, positive=False)  # NaN or < 0 reached the loss
         if isinstance(kmeans_iters, bool) or not isinstance(kmeans_iters, int) or kmeans_iters < 0:
-            raise ValueError(f"kmeans_iters must be a non-negative int (0: the seeding rows only), got {kmeans_iters!r}")
+            raise ValueError(f"kmeans_iters must be a non-negative int (0: the seeding rows only), "
+                             f"got {kmeans_iters!r}")
         super().__init__()
         self.dim, self.codebook_size = dim, codebook_size
         self.decay, self.semantics, self.eps = decay, semantics, eps
