@@ -478,12 +478,12 @@ def hierarchical_sae_loss(
     fp16 or fp64 weights, or with bf16 weights when the staged rows fit in one column chunk, or a
     frozen decoder), the forward runs the backward's sweep as well, in the same launch, and hands
     the backward unscaled gradients: the decoder rows come from DRAM once per step instead of twice
-    (the second sweep finds them in L1 / L2). The
-    weight-gradient buffer (or the staged rows: B*K*D floats in deterministic fp32) is then held
-    from the forward to the backward, so several such losses summed before one backward hold one
-    each. Weights in the accumulation dtype (fp32, or fp64) on the default atomic path keep the
-    two-pass split: their atomics land in the output itself. Compute a loss you will
-    not differentiate under ``torch.no_grad()``, or it pays for the backward's sweep.
+    (the second sweep finds them in L1 / L2). The weight-gradient buffer (or the staged rows: B*K*D
+    floats in deterministic fp32) is then held from the forward to the backward, so several such
+    losses summed before one backward hold one each. Weights in the accumulation dtype (fp32, or
+    fp64) on the default atomic path keep the two-pass split: their atomics land in the output
+    itself. Compute a loss you will not differentiate under ``torch.no_grad()``, or it pays for the
+    backward's sweep.
     """
     _check_loss_inputs(indices, weight, vals, bias, target)
     deterministic = _use_deterministic(deterministic)
