@@ -14,6 +14,7 @@ import os
 from typing import Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -120,27 +121,57 @@ def check_in_place(name: str, t: Optional[torch.Tensor]) -> None:
     check_not_inference(name, t)
 
 
+def _span(x: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last) of a view with non-negative strides."""
+    last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    return x.data_ptr(), x.data_ptr() + (last + 1) * x.element_size()
+
+
+def _has_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds real memory to compare: not empty, not meta, not a FakeTensor (export,
+    shape propagation), whose data pointers are all 0."""
+    return t.numel() > 0 and not t.is_meta and not isinstance(t, FakeTensor)
+
+
+def _overlap(t: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether the byte ranges of two non-empty views of one storage intersect."""
+    (a0, a1), (b0, b1) = _span(t), _span(other)
+    return a0 < b1 and b0 < a1
+
+
 def check_no_partial_overlap(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
     """For a tensor rewritten in place while ``other`` is read: refuse the two sharing memory unless
     they are the same view (a kernel would read elements another program already rewrote; PyTorch's
     in-place ops refuse this too). Byte ranges are compared, so interleaved views of one buffer are
     refused as well."""
-    if torch.compiler.is_compiling() or t.numel() == 0 or other.numel() == 0:
+    if torch.compiler.is_compiling() or not (_has_memory(t) and _has_memory(other)):
         return
     if t.untyped_storage().data_ptr() != other.untyped_storage().data_ptr():
         return
     if t.data_ptr() == other.data_ptr() and t.shape == other.shape and t.stride() == other.stride() \
             and t.dtype == other.dtype:
         return
-
-    def span(x):  # [first byte, one past the last) of a view with non-negative strides
-        last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-        return x.data_ptr(), x.data_ptr() + (last + 1) * x.element_size()
-
-    (a0, a1), (b0, b1) = span(t), span(other)
-    if a0 < b1 and b0 < a1:
+    if _overlap(t, other):
         raise ValueError(f"{name} and {other_name} share memory without being the same tensor, but {name} is "
                          f"rewritten in place while {other_name} is read: pass a copy of one of them")
+
+
+def check_disjoint(named: dict) -> None:
+    """For an op that rewrites several of ``named``'s tensors in place and reads the others: refuse
+    any two that share memory, the same tensor passed twice included (one would be rewritten while
+    the op still reads or writes the other). None entries are skipped; one storage pointer per
+    tensor is compared first, so distinct buffers cost a few microseconds."""
+    if torch.compiler.is_compiling():
+        return
+    items = [(n, t) for n, t in named.items() if t is not None and _has_memory(t)]
+    ptrs = [t.untyped_storage().data_ptr() for _, t in items]
+    if len(set(ptrs)) == len(ptrs):
+        return
+    for i, (name, t) in enumerate(items):
+        for j in range(i):
+            if ptrs[i] == ptrs[j] and _overlap(t, items[j][1]):
+                raise ValueError(f"{items[j][0]} and {name} share memory, but the update rewrites its state in "
+                                 f"place while it reads them: pass separate tensors (a copy of one of them)")
 
 
 def check_not_inference(name: str, t: Optional[torch.Tensor]) -> None:

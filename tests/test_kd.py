@@ -998,6 +998,11 @@ def test_bad_inputs():
         sparsefuse.topk_kd_loss_from_logits(z[:4], ids, t, m)
     with pytest.raises(TypeError, match="target_token_ids has dtype float32"):
         sparsefuse.topk_kd_loss_from_logits(z, ids.float(), t, m)
+    with pytest.raises(TypeError, match="target_mask has dtype complex64"):  # was read as "non-zero"
+        sparsefuse.topk_kd_loss_from_logits(z, ids, t, m.to(torch.complex64))
+    for mask in (m.to(torch.uint8), m.int(), m.float()):  # 0/1 in any real dtype
+        torch.testing.assert_close(sparsefuse.topk_kd_loss_from_logits(z, ids, t, mask),
+                                   sparsefuse.topk_kd_loss_from_logits(z, ids, t, m))
     with pytest.raises(ValueError, match="student_logits_topk has shape"):
         sparsefuse.topk_kd_loss(z, t, m)
     with pytest.raises(TypeError, match="hidden has dtype float64"):

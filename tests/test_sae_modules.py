@@ -497,6 +497,12 @@ def test_row_ops_bad_input():
         remove_parallel_component_(g[:, :6], w)
     with pytest.raises(ValueError, match=r"grad is on meta"):
         remove_parallel_component_(g.to("meta"), w)
+    # a NaN eps made every row NaN, an infinite one every row 0, a negative one a zero row NaN
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        with pytest.raises(ValueError, match=f"eps must be a positive finite number, got {bad}"):
+            normalize_rows_(w.clone(), eps=bad)
+        with pytest.raises(ValueError, match=f"eps must be a positive finite number, got {bad}"):
+            remove_parallel_component_(g.clone(), w, eps=bad)
     # what PyTorch's in-place ops refuse: the kernels rewrote a trainable leaf without complaint, and
     # raced on an expanded gradient, while the CPU reference path raised
     leaf = w.clone().requires_grad_()

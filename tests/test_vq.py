@@ -280,6 +280,9 @@ def test_batch_statistics_bad_inputs():
         batch_statistics(x, codes.to("meta"), 6)
     with pytest.raises(ValueError, match="num_codes must be at least 1"):
         batch_statistics(x, codes, 0)
+    for bad in (6.5, True, torch.tensor(6)):  # 6.5 failed inside torch.zeros
+        with pytest.raises(ValueError, match=re.escape(f"num_codes must be an int, got {bad!r}")):
+            batch_statistics(x, codes, bad)
     sparsefuse.set_index_checks(True)
     try:
         with pytest.raises(IndexError, match=r"codes holds 6, outside \[0, 6\)"):
@@ -475,6 +478,30 @@ def test_ema_update_bad_inputs():
     for name in ("threshold", "reset_cluster_size", "restart_after_steps"):
         with pytest.raises(TypeError, match=f"{name} must be a Python number, not a tensor"):
             vq_ema_update(x, codes, *state, **{name: torch.tensor(1.0)})
+
+
+def test_ema_update_refuses_aliased_tensors():
+    """x passed as (a view of) the codebook, or two state buffers sharing memory, gave a wrong state
+    without a word: the restart read rows of x the same call had rewritten (in an order that depends
+    on the programs', a race on a GPU), and a codebook that is also embed_sum lost the EMA of the
+    sums. Any two of x, codes and the state sharing memory now raise; views of separate buffers run."""
+    x, codes, *state = make(40, 8, 4, used=3)
+    cb, cs, es, cnt = state
+    msg = "share memory, but the update rewrites its state in place while it reads them"
+    for args in ((cb, codes[:8], cb, cs, es, cnt),  # x is the codebook
+                 (cb[:5], codes[:5], cb, cs, es, cnt),  # x is a view of it
+                 (x, codes, cb, cs, cb, cnt),  # codebook is embed_sum
+                 (x, codes, cb, es.view(-1)[:8], es, cnt),  # cluster_size is part of embed_sum
+                 (x, codes, cb, cs, es, codes[:8])):  # the counters are codes
+        with pytest.raises(ValueError, match=msg):
+            vq_ema_update(*[a.clone() if a is x else a for a in args], semantics="laplace", threshold=1.0)
+    wide = torch.zeros(2, *cb.shape, device=DEVICE)  # disjoint views of one buffer are fine
+    wide[0], wide[1] = cb, es
+    got, want = [wide[0], cs.clone(), wide[1], cnt.clone()], [t.clone() for t in state]
+    for s in (got, want):
+        vq_ema_update(x, codes, *s, semantics="laplace", threshold=1.0,
+                      generator=torch.Generator(device=DEVICE).manual_seed(2))
+    assert_state(got, want)
 
 
 @pytest.mark.parametrize("which", [0, 1, 2, 3])
@@ -1065,6 +1092,11 @@ def test_quantize_bad_inputs():
     x, codes, c, *_ = make(8, 5, 4)
     with pytest.raises(ValueError, match="x has shape"):
         quantize(x[:, :2], codes, c)
+    for bad in (float("nan"), -1.0):  # a NaN or negative "commitment" loss, without a word
+        with pytest.raises(ValueError, match=f"beta must be a non-negative finite number, got {bad}"):
+            quantize(x, codes, c, bad)
+    with pytest.raises(TypeError, match="beta must be a Python number, not a tensor"):  # was a host sync
+        quantize(x, codes, c, torch.tensor(0.5))
     with pytest.raises(TypeError, match="codes has dtype int32"):
         quantize(x, codes.int(), c)
     # CPU tensors are checked by default, CUDA tensors only on request; True checks everywhere

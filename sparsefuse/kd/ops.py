@@ -101,6 +101,9 @@ def _check_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}")
 
 
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16) + INDEX_DTYPES + FLOAT_DTYPES
+
+
 def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
     """Flatten the teacher tensors to [N, K] (ids for the forms that take them) and check them."""
     if with_ids:
@@ -115,7 +118,7 @@ def _check_targets(ids, logprobs, mask, dev, *, with_ids=True):
     if tuple(logprobs.shape) != shape:
         raise ValueError(f"target_logprobs has shape {tuple(logprobs.shape)}; expected {shape}")
     if mask is not None:
-        check_tensor("target_mask", mask, device=dev)
+        check_tensor("target_mask", mask, dtypes=_MASK_DTYPES, device=dev)
         if tuple(mask.shape) != shape:
             raise ValueError(f"target_mask has shape {tuple(mask.shape)}; expected {shape}")
     K = shape[-1]

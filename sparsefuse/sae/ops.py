@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .._registry import INTERPRET, register_op
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_no_partial_overlap, check_not_empty,
-                         check_tensor)
+                         check_number, check_tensor)
 from . import kernels, reference
 
 
@@ -514,10 +514,11 @@ def _project_op(grad: Tensor, weight: Tensor, eps: float) -> None:
 def normalize_rows_(weight: Tensor, eps: float = 1e-12) -> Tensor:
     """In place ``weight[f] /= max(||weight[f]||, eps)`` for every row of ``[F, D]`` ``weight``: two
     reads of each row (the second mostly from L2) and one write (norm in float32, float64 for
-    float64). Returns ``weight``."""
+    float64). ``eps`` is a positive finite number (a NaN one made every row NaN, an infinite one
+    every row 0). Returns ``weight``."""
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_in_place("weight", weight)
-    _normalize_op(weight, float(eps))
+    _normalize_op(weight, check_number("eps", eps, positive=True))
     return weight
 
 
@@ -525,10 +526,10 @@ def remove_parallel_component_(grad: Tensor, weight: Tensor, eps: float = 1e-12)
     """In place ``grad[f] -= (grad[f] . u_f) u_f`` with ``u_f = weight[f] / max(||weight[f]||, eps)``:
     the gradient of a row kept at unit norm loses its radial part. ``grad`` and ``weight`` are
     ``[F, D]``; two reads of each row of both (the second mostly from L2) and one write of ``grad``.
-    Returns ``grad``."""
+    ``eps`` as for :func:`normalize_rows_`. Returns ``grad``."""
     check_tensor("weight", weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("grad", grad, shape=tuple(weight.shape), dtypes=FLOAT_DTYPES, device=weight.device)
     check_in_place("grad", grad)
     check_no_partial_overlap("grad", grad, "weight", weight)
-    _project_op(grad, weight, float(eps))
+    _project_op(grad, weight, check_number("eps", eps, positive=True))
     return grad

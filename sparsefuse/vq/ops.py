@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from .._registry import INTERPRET, bump_versions, first_order, plain_eager, register_op
-from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_index_range, check_not_empty,
-                         check_not_inference, check_number, check_tensor)
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_disjoint, check_in_place, check_index_range,
+                         check_not_empty, check_not_inference, check_number, check_tensor)
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
@@ -169,8 +169,8 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
                       reset_cluster_size=None, restart_after_steps=0, generator=None):
     check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
     grad = torch.is_grad_enabled()
-    for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
-                    ("steps_since_active", counters)):
+    state = dict(codebook=codebook, cluster_size=cluster_size, embed_sum=embed_sum, steps_since_active=counters)
+    for name, t in state.items():
         if isinstance(t, Tensor):
             if grad and t.requires_grad:  # the state must not require grad (overlaps fail the contiguity checks)
                 check_in_place(name, t)  # raises, naming it
@@ -197,6 +197,7 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
                 and (counters is None or (isinstance(counters, Tensor) and counters.dtype in INDEX_DTYPES
                                           and counters.shape == lead and counters.device == dev
                                           and counters.is_contiguous()))):
+            check_disjoint(dict(x=x, codes=codes, **state))
             return
     check_tensor("codebook", codebook, dtypes=(torch.float32,))
     if codebook.dim() not in (2, 3):
@@ -214,6 +215,7 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
                     ("steps_since_active", counters)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous: it is updated in place")
+    check_disjoint(dict(x=x, codes=codes, **state))
 
 
 def vq_ema_update(
@@ -352,6 +354,9 @@ def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=Non
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, D] or [L, B, D], got shape {tuple(x.shape)}")
     check_tensor("codes", codes, shape=tuple(x.shape[:-1]), dtypes=INDEX_DTYPES, device=x.device)
+    if not torch.compiler.is_compiling() and (isinstance(num_codes, bool)
+                                                  or not isinstance(num_codes, numbers.Integral)):
+        raise ValueError(f"num_codes must be an int, got {num_codes!r}")  # 4.5 failed inside torch.zeros
     if num_codes < 1:
         raise ValueError(f"num_codes must be at least 1, got {num_codes}")
     single = x.dim() == 2
@@ -458,7 +463,12 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     Returns:
         ``codes [B]`` int64, ties to the lowest index; ``dist [B]`` float32 (float64 for float64
         inputs): the squared distance ``||x - c||^2`` (clamped at 0), or with ``cosine`` the squared
-        distance between the unit vectors, ``2 - 2 cos``.
+        distance between the unit vectors, ``2 - 2 cos``. The search scores ``||c||^2 - 2 x.c`` and
+        ``dist`` adds ``||x||^2``, as FAISS and the usual PyTorch VQ code do: its error is that of
+        fp32 rounding of those terms, about 1e-7 * (||x||^2 + ||c||^2), so for data far from the
+        origin (``||x||^2`` much larger than the distance) ``dist`` loses relative accuracy, and
+        codes closer than that may tie either way. Centre such data, or take
+        ``(x - codebook[codes]).square().sum(-1)`` where the value matters.
 
     NaN propagates (kernel and reference alike): a NaN score ranks before every number, as in
     ``torch.argmin``, and gives a NaN ``dist``. So a row of x holding a NaN gets code 0 and dist
@@ -536,7 +546,7 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     its exact derivative. One kernel forward (gather + squared error), one backward
     (``grad_x = grad_out + grad_loss * 2 beta / (B D) * (x - out)``); the codebook gets no gradient
     (straight-through: out's gradient goes to x; a codebook learned by gradient needs its own loss,
-    such as ``F.mse_loss(codebook[codes], x.detach())``).
+    such as ``F.mse_loss(codebook[codes], x.detach())``). ``beta`` is a finite Python number >= 0.
     ``codes [B]`` int64 in ``[0, K)`` (from :func:`nearest_code`): one outside raises ``IndexError``
     where index checks are on (see ``sparsefuse.set_index_checks``); unchecked, its row of ``out``
     and of ``grad_x``, and the loss, are NaN.
@@ -544,9 +554,10 @@ def quantize(x: Tensor, codes: Tensor, codebook: Tensor, beta: float = 1.0) -> t
     check_tensor("codebook", codebook, shape=(None, None), dtypes=FLOAT_DTYPES)
     check_tensor("x", x, shape=(None, codebook.shape[1]), dtypes=FLOAT_DTYPES, device=codebook.device)
     check_tensor("codes", codes, shape=(x.shape[0],), dtypes=(torch.int64,), device=codebook.device)
+    beta = check_number("beta", beta, positive=False)  # NaN or < 0 reached the loss, a tensor was a sync
     if not plain_eager((x, codes, codebook)):
-        return _quantize_op(x, codes, codebook.detach(), float(beta))
-    return _Quantize.apply(x, codes, codebook.detach(), float(beta))
+        return _quantize_op(x, codes, codebook.detach(), beta)
+    return _Quantize.apply(x, codes, codebook.detach(), beta)
 
 
 class _Quantize(torch.autograd.Function):
