@@ -170,8 +170,8 @@ def check_disjoint(named: dict) -> None:
     for i, (name, t) in enumerate(items):
         for j in range(i):
             if ptrs[i] == ptrs[j] and _overlap(t, items[j][1]):
-                raise ValueError(f"{items[j][0]} and {name} share memory, but the update rewrites its state in "
-                                 f"place while it reads them: pass separate tensors (a copy of one of them)")
+                raise ValueError(f"{items[j][0]} and {name} share memory, but the op rewrites some of them in "
+                                 f"place while it reads the others: pass separate tensors (a copy of one of them)")
 
 
 def check_not_inference(name: str, t: Optional[torch.Tensor]) -> None:

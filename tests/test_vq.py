@@ -487,7 +487,7 @@ def test_ema_update_refuses_aliased_tensors():
     sums. Any two of x, codes and the state sharing memory now raise; views of separate buffers run."""
     x, codes, *state = make(40, 8, 4, used=3)
     cb, cs, es, cnt = state
-    msg = "share memory, but the update rewrites its state in place while it reads them"
+    msg = "share memory, but the op rewrites some of them in place while it reads the others"
     for args in ((cb, codes[:8], cb, cs, es, cnt),  # x is the codebook
                  (cb[:5], codes[:5], cb, cs, es, cnt),  # x is a view of it
                  (x, codes, cb, cs, cb, cnt),  # codebook is embed_sum

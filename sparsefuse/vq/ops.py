@@ -211,8 +211,7 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
     check_tensor("steps_since_active", counters, shape=lead + (K,), dtypes=INDEX_DTYPES, device=dev, optional=True)
     check_tensor("x", x, shape=lead + (None, D), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("codes", codes, shape=tuple(x.shape[:-1]), dtypes=INDEX_DTYPES, device=dev)
-    for name, t in (("codebook", codebook), ("cluster_size", cluster_size), ("embed_sum", embed_sum),
-                    ("steps_since_active", counters)):
+    for name, t in state.items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous: it is updated in place")
     check_disjoint(dict(x=x, codes=codes, **state))
