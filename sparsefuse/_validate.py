@@ -129,8 +129,10 @@ def _span(x: torch.Tensor) -> tuple[int, int]:
 
 def _has_memory(t: torch.Tensor) -> bool:
     """Whether ``t`` holds real memory to compare: not empty, not meta, not a FakeTensor (export,
-    shape propagation), whose data pointers are all 0."""
-    return t.numel() > 0 and not t.is_meta and not isinstance(t, FakeTensor)
+    shape propagation), whose data pointers are all 0, nor a functorch wrapper (``vmap``), whose
+    storage cannot be read."""
+    return (t.numel() > 0 and not t.is_meta and not isinstance(t, FakeTensor)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def _overlap(t: torch.Tensor, other: torch.Tensor) -> bool:

@@ -659,6 +659,24 @@ def test_functorch_reverse_mode_is_refused(op):
         torch.testing.assert_close(torch.vmap(fn)(batch), torch.stack([fn(primal), fn(2 * primal)]))
 
 
+def test_ema_update_refuses_vmap():
+    """vq_ema_update (and so a VQ module in training mode) under torch.vmap failed in the overlap
+    check with "Cannot access storage of BatchedTensorImpl", and before that check in the dispatcher
+    ("Batching rule not implemented"); it now says it does not run there. Searching (eval mode) runs."""
+    from sparsefuse import VectorQuantizer, vq_ema_update
+
+    g = torch.Generator().manual_seed(0)
+    x, cb, es = (torch.randn(3, *s, generator=g).to(DEVICE) for s in ((6, 4), (5, 4), (5, 4)))
+    codes, n = torch.randint(0, 5, (3, 6), generator=g).to(DEVICE), torch.rand(3, 5, generator=g).to(DEVICE)
+    with pytest.raises(NotImplementedError, match="does not run under functorch transforms"):
+        torch.vmap(lambda *a: vq_ema_update(*a, decay=0.9))(x, codes, cb, n, es)
+    vq = VectorQuantizer(4, 5).to(DEVICE)
+    with pytest.raises(NotImplementedError, match="does not run under functorch transforms"):
+        torch.vmap(vq.train())(x)
+    _, got, _ = torch.vmap(vq.eval())(x)
+    assert torch.equal(got, torch.stack([vq(x[i])[1] for i in range(3)]))
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("op", list(_reverse_cases()))
 def test_activation_checkpointing_gives_the_same_gradients(op, reentrant):

@@ -521,6 +521,16 @@ def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
         "         (rnd(B, D), rnd(F, D), rnd(F), rnd(D)), frozen)\n"
         "# the promoted dtype, as the fake (and the kernels) give it, not the float32 it is computed in\n"
         "assert sparsefuse.sae_decode(idx, rnd(B, K).half(), rnd(F, D).half(), rnd(D).half()).dtype == torch.float16\n"
+        "# CPU bf16 autocast does not reach the references' einsums (the decode was off by 2e-2); eager\n"
+        "# (the fast path) and through the dispatcher (torch.library.opcheck's path: the registered op)\n"
+        "v, w, t, x = (rnd(*s).float() for s in ((B, K), (F, D), (B, D), (B, D)))\n"
+        "calls = [lambda: sparsefuse.sae_decode(idx, v, w, None), lambda: sparsefuse.topk_sae_loss(idx, w, v, None, t),\n"
+        "         lambda: sparsefuse.sparse_linear(x, w, idx), lambda: torch.ops.sparsefuse.sae_decode(idx, v, w, None)]\n"
+        "for call in calls:\n"
+        "    want = call()\n"
+        "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "        got = call()\n"
+        "    assert got.dtype == want.dtype and torch.equal(got, want), (got - want).abs().max()\n"
         "print('ok')\n"
     )
     _run_without_interpreter(code)

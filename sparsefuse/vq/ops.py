@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._registry import INTERPRET, bump_versions, first_order, plain_eager, register_op
+from .._registry import INTERPRET, bump_versions, first_order, plain_eager, refuse_transforms, register_op
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_disjoint, check_in_place, check_index_range,
                          check_not_empty, check_not_inference, check_number, check_tensor)
 from . import kernels, reference
@@ -286,6 +286,9 @@ def vq_ema_update(
     Under ``torch.compile`` and while a CUDA graph is captured every update allocates its own.
     """
     active = semantics == "active"
+    # an in-place update of shared state has no per-sample meaning: under vmap it failed deep in
+    # the dispatcher ("Batching rule not implemented for sparsefuse::vq_ema_apply")
+    refuse_transforms((x, codes, codebook, cluster_size, embed_sum, steps_since_active), functorch_ok=False)
     _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, steps_since_active, semantics, decay, eps,
                       threshold, reset_cluster_size, restart_after_steps, generator)
     if active and restart_after_steps > 0 and steps_since_active is None:
