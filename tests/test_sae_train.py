@@ -122,11 +122,19 @@ def _write(tmp_path, name, x):
     ("eval-rows", r"eval_rows must be >= 2 \(FVU needs the held-out rows' variance\), got 1"),
     ("mean-active", r"mean_active must be a positive finite number, got nan"),
     ("n-samples", r"n_samples \(synthetic training rows\) must be >= 1, got -100"),
-    ("dead-tokens", r"dead_tokens must be >= 0, got -1"),
+    ("dead-tokens", r"dead_tokens must be >= 0 and below 2\^62, got -1"),
+    ("dead-tokens-huge", r"dead_tokens must be >= 0 and below 2\^62, got 100000000000000000000000"),
+    ("seed", r"seed must lie in \[0, 2\^63\), got -1"),
+    ("out-file", r"out='.*afile' cannot be made a folder"),
+    ("out-under-file", r"out='.*afile/sub' cannot be made a folder"),
+    ("float8", r"activations must be float16/bfloat16/float32/float64 or signed integers, got dtype "
+               r"torch.float8_e4m3fn"),
+    ("sparse", r"activations must be a dense tensor holding data, got layout torch.sparse_coo"),
     ("auxk-inf", r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got inf"),
     ("auxk-negative", r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got -0.5"),
-    ("lr-inf", r"lr must be finite and > 0, got inf"),
-    ("lr-zero", r"lr must be finite and > 0, got 0.0"),
+    ("lr-inf", r"lr must be finite and > 0 \(below 1e30\), got inf"),
+    ("lr-zero", r"lr must be finite and > 0 \(below 1e30\), got 0.0"),
+    ("lr-huge", r"lr must be finite and > 0 \(below 1e30\), got 1e\+300"),  # Adam failed at the first step
     ("float64-overflow", r"contain 1 finite values beyond float32's range, which float32 makes infinite in 1 rows"),
     ("constant", "the training data has no variance: every row is the same"),  # trained, printed FVU nan
 ])
@@ -155,10 +163,22 @@ def test_bad_input_messages(tmp_path, capsys, case, msg):
         args += ["--n-samples", "-100"]
     elif case == "dead-tokens":
         args += ["--dead-tokens", "-1"]
+    elif case == "dead-tokens-huge":  # overflowed a tensor with a traceback
+        args += ["--dead-tokens", "100000000000000000000000"]
+    elif case == "seed":  # -1 seeded the generator 2^63 - 1 does
+        args += ["--seed", "-1"]
+    elif case.startswith("out-"):  # found after training, with a traceback
+        (tmp_path / "afile").write_text("x")
+        args += ["--out", str(tmp_path / ("afile" if case == "out-file" else "afile/sub"))]
+    elif case in ("float8", "sparse"):  # passed the dtype check and failed inside PyTorch
+        x = torch.ones(20, 4)
+        x = x.to(torch.float8_e4m3fn) if case == "float8" else x.to_sparse()
+        torch.save(x, str(tmp_path / "a.pt"))
+        args += ["--data", str(tmp_path / "a.pt")]
     elif case.startswith("auxk-"):  # inf trained a NaN model and exited 0
         args += ["--auxk-alpha", "inf" if case == "auxk-inf" else "-0.5"]
     elif case.startswith("lr-"):  # Adam itself accepts an infinite learning rate
-        args += ["--lr", "inf" if case == "lr-inf" else "0"]
+        args += ["--lr", {"lr-inf": "inf", "lr-zero": "0", "lr-huge": "1e300"}[case]]
     elif case == "constant":
         args += ["--data", _write(tmp_path, "a.npy", np.full((40, 4), 3.0, np.float32)), "--batch-size", "4"]
     elif case == "float64-overflow":  # finite in the file, infinite in float32: not "non-finite in the file"
@@ -499,7 +519,8 @@ def test_big_endian_and_unsigned_files(tmp_path):
     np.save(path, x.astype(">f8"))
     assert torch.equal(load_activations(path), torch.from_numpy(x).float())
     np.save(path, x.astype(np.uint8))
-    with pytest.raises(ValueError, match="must be floating point or signed integers, got dtype torch.uint8"):
+    with pytest.raises(ValueError, match="must be float16/bfloat16/float32/float64 or signed integers, got dtype "
+                                         "torch.uint8"):
         load_activations(path)
 
 

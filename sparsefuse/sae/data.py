@@ -134,10 +134,15 @@ def check_activations(x: Tensor, name: str = "activations", d_model: Optional[in
     """Validate ``[N, D]`` activations and return them as contiguous float32."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{name}: expected a tensor, got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_meta:  # sparse or meta tensors failed deep inside PyTorch
+        raise ValueError(f"{name}: activations must be a dense tensor holding data, got layout {x.layout} on "
+                         f"{x.device}")
     if x.dim() != 2:
         raise ValueError(f"{name}: activations must have shape [N, D], got shape {tuple(x.shape)}")
-    if not (x.dtype.is_floating_point or x.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
-        raise ValueError(f"{name}: activations must be floating point or signed integers, got dtype {x.dtype}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                       torch.int8, torch.int16, torch.int32, torch.int64):  # float8 has no isfinite
+        raise ValueError(f"{name}: activations must be float16/bfloat16/float32/float64 or signed integers, got "
+                         f"dtype {x.dtype}")
     if x.shape[0] < 1 or x.shape[1] < 1:
         raise ValueError(f"{name}: activations are empty (shape {tuple(x.shape)})")
     if d_model is not None and x.shape[1] != d_model:

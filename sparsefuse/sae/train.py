@@ -340,13 +340,25 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
     for name in ("k", "n_latents", "steps", "batch_size", "log_every", "eval_rows"):
         check_positive_int(name, getattr(cfg, name))  # whole numbers: a float k failed later, in torch.topk
-    if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):  # Adam accepts inf
-        raise ValueError(f"lr must be finite and > 0, got {cfg.lr}")
-    if cfg.dead_tokens is not None and cfg.dead_tokens < 0:
-        raise ValueError(f"dead_tokens must be >= 0, got {cfg.dead_tokens}")
+    if cfg.lr is not None and not (0 < cfg.lr < 1e30):  # Adam accepts inf; 1e300 failed at the first step
+        raise ValueError(f"lr must be finite and > 0 (below 1e30), got {cfg.lr}")
+    if cfg.dead_tokens is not None and not 0 <= cfg.dead_tokens < 2**62:  # 1e23 overflowed a tensor
+        raise ValueError(f"dead_tokens must be >= 0 and below 2^62, got {cfg.dead_tokens}")
+    if not 0 <= cfg.seed < 2**63:  # -1 and 2^63 - 1 seed the same generator; 2^64 - 1 overflowed
+        raise ValueError(f"seed must lie in [0, 2^63), got {cfg.seed}")
+    if not (math.isfinite(cfg.auxk_alpha) and cfg.auxk_alpha >= 0):  # TopKSAE checks it too, after the data
+        raise ValueError(f"auxk_alpha must be finite and >= 0 (0 turns AuxK off), got {cfg.auxk_alpha}")
     if cfg.data is None and cfg.n_samples < 1:
         raise ValueError(f"n_samples (synthetic training rows) must be >= 1, got {cfg.n_samples}")
+    if cfg.data is None:  # the synthetic set's sizes, by the names the caller used (not the generator's)
+        check_positive_int("d_model", cfg.d_model)
+        check_positive_int("n_features", cfg.n_features)
     _check_device(cfg.device)
+    if cfg.out:  # made now: a path that cannot be a folder was found only after training
+        try:
+            os.makedirs(cfg.out, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"out={cfg.out!r} cannot be made a folder: {e.strerror or e}") from e
     train, eval_x, G = _load_data(cfg)
     if cfg.batch_size > train.shape[0]:  # a batch would be the whole set, uneven slices under DDP
         raise ValueError(f"batch_size={cfg.batch_size} is larger than the {train.shape[0]} training rows")
