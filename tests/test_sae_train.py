@@ -105,6 +105,23 @@ def test_every_message_goes_through_log(tmp_path, capsys):
     assert lines[-1] == f"wrote {tmp_path / 'o'}/metrics.json and checkpoint(s)"
 
 
+def test_rerun_into_a_folder_removes_the_earlier_runs_outputs(tmp_path):
+    """A run of both losses, then one of "topk" into the same folder: the first run's two
+    checkpoints stayed beside the second's sae.safetensors and metrics.json, which no longer named
+    them. The trainer's own outputs that a run does not rewrite are removed, and it says so; other
+    files are left alone."""
+    out = tmp_path / "o"
+    kw = dict(k=2, n_latents=8, batch_size=20, steps=2, n_samples=200, eval_rows=20, plot=False, progress=False,
+              out=str(out))
+    train_sae(TrainConfig(losses=("topk", "hierarchical"), **kw), log=lambda *_: None)
+    (out / "notes.txt").write_text("mine")
+    assert {"sae_topk.safetensors", "sae_hierarchical.safetensors"} <= {p.name for p in out.iterdir()}
+    lines = []
+    train_sae(TrainConfig(losses=("topk",), **kw), log=lines.append)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "notes.txt", "sae.safetensors"]
+    assert f"removed sae_topk.safetensors, sae_hierarchical.safetensors of an earlier run from {out}" in lines
+
+
 def _write(tmp_path, name, x):
     path = str(tmp_path / name)
     np.save(path, x)

@@ -396,12 +396,18 @@ def _summary(run: RunResult, cfg: TrainConfig) -> str:
     return "\n".join(lines)
 
 
+#: every file name the trainer writes into ``out``
+OUTPUT_NAMES = ("metrics.json", "sae.png", "sae.safetensors") + tuple(f"sae_{loss}.safetensors" for loss in LOSSES)
+
+
 def _write_outputs(cfg: TrainConfig, runs: dict, shape, log) -> None:
     os.makedirs(cfg.out, exist_ok=True)
     metrics = {"config": asdict(cfg), "data_shape": list(shape), "torch": torch.__version__, "runs": {}}
     metrics["config"]["losses"] = list(cfg.losses)
+    written = {"metrics.json"}
     for loss, run in runs.items():
         name = "sae.safetensors" if len(runs) == 1 else f"sae_{loss}.safetensors"
+        written.add(name)
         run.model.save(os.path.join(cfg.out, name))
         metrics["runs"][loss] = {
             "checkpoint": name, "fvu": {str(k): v for k, v in run.fvu.items()}, "recovery": run.recovery,
@@ -409,8 +415,17 @@ def _write_outputs(cfg: TrainConfig, runs: dict, shape, log) -> None:
         }
     with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)
+    path = plot_runs(metrics, os.path.join(cfg.out, "sae.png")) if cfg.plot else None
+    if path:
+        written.add("sae.png")
+    # outputs of an earlier run into this folder that this one did not rewrite (a checkpoint of
+    # another loss set, a plot) would sit beside metrics.json without matching it
+    stale = [n for n in OUTPUT_NAMES if n not in written and os.path.exists(os.path.join(cfg.out, n))]
+    for name in stale:
+        os.remove(os.path.join(cfg.out, name))
+    if stale:
+        log(f"removed {', '.join(stale)} of an earlier run from {cfg.out}")
     if cfg.plot:
-        path = plot_runs(metrics, os.path.join(cfg.out, "sae.png"))
         log(f"wrote {cfg.out}/metrics.json, checkpoint(s) and " + (path or "no plot (matplotlib not installed)"))
     else:
         log(f"wrote {cfg.out}/metrics.json and checkpoint(s)")
