@@ -1501,6 +1501,15 @@ def test_fake_tensors_take_the_registered_ops():
     assert out.shape == (9, 4) and x.grad.shape == (9, 4)
 
 
+def test_module_repr_shows_its_options():
+    """The modules printed as a bare ``VectorQuantizer()``."""
+    assert repr(VectorQuantizer(4, 8, threshold=0.5)) == (
+        "VectorQuantizer(dim=4, codebook_size=8, semantics='laplace', decay=0.99, threshold=0.5, cosine=False, "
+        "precision='exact')")
+    assert repr(ResidualVQ(3, 4, 8, semantics="active", restart_after_steps=5)).startswith(
+        "ResidualVQ(num_levels=3, dim=4, codebook_size=8, semantics='active', decay=0.99, restart_after_steps=5")
+
+
 def test_public_exports():
     assert sparsefuse.vq_ema_update is vq_ema_update and sparsefuse.nearest_code is nearest_code
 

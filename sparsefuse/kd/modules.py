@@ -44,7 +44,7 @@ class TopKKDLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"normalize={self.normalize!r}, temperature={self.temperature}, reduction={self.reduction!r}, "
-                f"ce_weight={self.ce_weight}, return_per_token={self.return_per_token}")
+                f"ce_weight={self.ce_weight}, chunk_size={self.chunk_size}, return_per_token={self.return_per_token}")
 
     def forward(self, inputs: Tensor, target_token_ids: Optional[Tensor] = None,
                 target_logprobs: Optional[Tensor] = None, target_mask: Optional[Tensor] = None, *,

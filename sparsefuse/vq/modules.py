@@ -143,6 +143,13 @@ class VectorQuantizer(nn.Module):
         self._initted = not kmeans_init
         self.register_load_state_dict_post_hook(_sync_initted)
 
+    def extra_repr(self) -> str:
+        levels = f"num_levels={self.num_levels}, " if isinstance(self, ResidualVQ) else ""
+        restart = (f"restart_after_steps={self.restart_after_steps}" if self.semantics == "active"
+                   else f"threshold={self.threshold}")
+        return (f"{levels}dim={self.dim}, codebook_size={self.codebook_size}, semantics={self.semantics!r}, "
+                f"decay={self.decay}, {restart}, cosine={self.cosine}, precision={self.precision!r}")
+
     def _apply(self, fn, recurse=True):
         def keep_float32(t):  # .half() / .to(dtype) convert a copy; only its device is taken
             out = fn(t)
