@@ -66,6 +66,12 @@ def _global_mean(t: Tensor) -> Tensor:
     return t
 
 
+def check_auxk_alpha(auxk_alpha) -> None:
+    """AuxK's weight: finite and >= 0 (inf trained a NaN model, NaN gave a NaN loss; 0 turns it off)."""
+    if not (math.isfinite(auxk_alpha) and auxk_alpha >= 0):
+        raise ValueError(f"auxk_alpha must be finite and >= 0 (0 turns AuxK off), got {auxk_alpha}")
+
+
 class TopKSAE(nn.Module):
     """A TopK (or HierarchicalTopK) sparse autoencoder.
 
@@ -123,8 +129,7 @@ class TopKSAE(nn.Module):
             raise ValueError(f"decoder must be one of {sorted(DECODERS)}, got {decoder!r}")
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {list(ENCODERS)}, got {encoder!r}")
-        if not (math.isfinite(auxk_alpha) and auxk_alpha >= 0):  # inf trained a NaN model; NaN a NaN loss
-            raise ValueError(f"auxk_alpha must be finite and >= 0 (0 turns AuxK off), got {auxk_alpha}")
+        check_auxk_alpha(auxk_alpha)
         self.config = dict(
             d_model=d_model, n_latents=n_latents, k=k, hierarchical=hierarchical,
             normalize_decoder=normalize_decoder, auxk_alpha=auxk_alpha,

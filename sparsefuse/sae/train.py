@@ -28,7 +28,7 @@ import torch
 
 from .._validate import check_positive_int
 from .data import check_activations, expected_active, load_activations, synthetic_activations
-from .modules import TopKSAE, powers_of_two_upto
+from .modules import TopKSAE, check_auxk_alpha, powers_of_two_upto
 
 LOSSES = ("topk", "hierarchical")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -346,8 +346,7 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"dead_tokens must be >= 0 and below 2^62, got {cfg.dead_tokens}")
     if not 0 <= cfg.seed < 2**63:  # -1 and 2^63 - 1 seed the same generator; 2^64 - 1 overflowed
         raise ValueError(f"seed must lie in [0, 2^63), got {cfg.seed}")
-    if not (math.isfinite(cfg.auxk_alpha) and cfg.auxk_alpha >= 0):  # TopKSAE checks it too, after the data
-        raise ValueError(f"auxk_alpha must be finite and >= 0 (0 turns AuxK off), got {cfg.auxk_alpha}")
+    check_auxk_alpha(cfg.auxk_alpha)  # before the data is read (TopKSAE checks it when built)
     if cfg.data is None and cfg.n_samples < 1:
         raise ValueError(f"n_samples (synthetic training rows) must be >= 1, got {cfg.n_samples}")
     if cfg.data is None:  # the synthetic set's sizes, by the names the caller used (not the generator's)
