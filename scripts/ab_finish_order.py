@@ -36,7 +36,7 @@ def old_hier(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, va
         n, block = stage.numel(), 4096
         if n:
             kn._launch(kn._scale_cast_kernel, (kn.cdiv(n, block),), stage, grad_weight, gc, n,
-                       ACC=kn._tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
+                       ACC=kn.tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
     else:
         grad_weight = kn.weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
     return grad_vals, grad_weight, grad_bias

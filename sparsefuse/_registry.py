@@ -110,7 +110,7 @@ class RegisteredOp:
     def _impl(self, args):
         for a in args:
             if isinstance(a, torch.Tensor):
-                return self._cpu_impl if a.device.type == "cpu" else self._launcher
+                return self._cpu_impl if a.is_cpu else self._launcher  # not device.type: a string a call
         return self._launcher
 
     def __call__(self, *args):
@@ -171,7 +171,9 @@ def refuse_transforms(args, *, functorch_ok: bool = True) -> bool:
     """Raise ``NotImplementedError`` where an argument would need a derivative rule these ops do not
     have: forward-mode AD (:func:`_refuse_forward_ad`), and functorch's reverse-mode transforms
     (``torch.func.grad``, ``vjp``, ``jacrev``) over an argument the transform differentiates (one
-    it wraps that requires grad; a captured ``nn.Parameter`` is not one). Their autograd formulas
+    it wraps that requires grad; a captured ``nn.Parameter`` is not one). Under a ``vmap`` inside
+    such a transform (``grad(lambda v: vmap(f)(v).sum())``) the batched wrappers hide which
+    arguments are differentiated, so there any wrapped argument is refused. Their autograd formulas
     are registered for ``torch.autograd``, which functorch does not use for custom ops, so PyTorch
     itself failed with a message about ``setup_context``.
     ``torch.vmap`` alone passes (the registered ops run per sample). ``functorch_ok=False`` (callers
@@ -187,9 +189,12 @@ def refuse_transforms(args, *, functorch_ok: bool = True) -> bool:
             raise NotImplementedError(_NO_FUNCTORCH)
         grad = torch._C._functorch.TransformType.Grad
         level = torch._C._functorch.maybe_get_level  # -1 for a tensor no transform wraps (a captured Parameter)
-        if torch.is_grad_enabled() and any(i.key() == grad for i in torch._C._functorch.get_interpreter_stack()) \
-                and any(isinstance(a, torch.Tensor) and a.requires_grad and level(a) != -1 for a in args):
-            raise NotImplementedError(_NO_FUNCTORCH_GRAD)
+        stack = torch._C._functorch.get_interpreter_stack()
+        if torch.is_grad_enabled() and any(i.key() == grad for i in stack):
+            innermost = stack[-1].key() == grad  # else a vmap inside grad: its wrappers do not require grad
+            if any(isinstance(a, torch.Tensor) and level(a) != -1 and (a.requires_grad or not innermost)
+                   for a in args):
+                raise NotImplementedError(_NO_FUNCTORCH_GRAD)
     elif _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
         _refuse_forward_ad(args, functorch=False)
     return functorch
@@ -199,6 +204,10 @@ _NO_FUNCTORCH_GRAD = ("sparsefuse ops do not support functorch's reverse-mode tr
                       "jacrev); differentiate with torch.autograd (loss.backward(), torch.autograd.grad)")
 _NO_FUNCTORCH = ("this sparsefuse function does not run under functorch transforms (torch.func.grad, vjp, jacrev, "
                  "vmap); call it outside the transform and differentiate with torch.autograd")
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+_NO_BATCHED_BACKWARD = ("sparsefuse ops have no batched backward: their backward cannot run under torch.vmap "
+                        "(torch.autograd.grad(..., is_grads_batched=True), "
+                        "torch.autograd.functional.jacobian(vectorize=True)); compute one gradient at a time")
 _NO_SECOND_DERIVATIVE = ("sparsefuse ops have no second derivative, so their backward cannot run with "
                          "create_graph=True (gradient penalties, Hessian-vector products, meta-learning through "
                          "them); compute first-order gradients only")
@@ -213,13 +222,19 @@ def first_order(backward: Callable) -> Callable:
     raises ``NotImplementedError`` instead. (Handing the gradients back attached to a node that
     raises only when differentiated, as ``once_differentiable`` does, is not enough: ``autograd.grad``
     prunes nodes off the path to its inputs, so that node must be wired to every input of the op,
-    which would keep activations such as KD's hidden states alive until the backward.) Without
-    ``create_graph`` this costs one call and one flag read."""
+    which would keep activations such as KD's hidden states alive until the backward.) A backward
+    under ``torch.vmap`` (batched incoming gradients: ``is_grads_batched=True``,
+    ``jacobian(vectorize=True)``) raises too: the kernels cannot read batched tensors. Otherwise
+    this costs two calls and a flag read."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            raise NotImplementedError(_NO_SECOND_DERIVATIVE)
+        if not torch.compiler.is_compiling():
+            if torch.is_grad_enabled():
+                raise NotImplementedError(_NO_SECOND_DERIVATIVE)
+            if torch._C._functorch.peek_interpreter_stack() is not None or any(
+                    g is not None and _legacy_batched(g) for g in grads):  # is_grads_batched: the old vmap
+                raise NotImplementedError(_NO_BATCHED_BACKWARD)
         return backward(ctx, *grads)
 
     return wrapper

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dtypes import tl_dtype
 from ._launch import cdiv, launch, next_pow2
 
 #: Smallest chunk (entries), a power of two. Tests lower it to reach the split paths with tiny inputs.
@@ -162,5 +163,5 @@ def chunk_partials(sorted_keys, order, weights, rows, row_div, chunk, acc, block
         launch(_segment_chunks_kernel, (NC, max(cdiv(D, block_d), 1), L),
                (sorted_keys, order, weights, rows, part, wpart, M, R, D, NC, row_div),
                dict(CHUNK=chunk, WEIGHTED=weights is not None, HAS_WSUM=want_wsum,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_D=block_d, E=e), _WARPS)
+                    ACC=tl_dtype(acc), BLOCK_D=block_d, E=e), _WARPS)
     return part, wpart

@@ -186,6 +186,11 @@ def check_not_inference(name: str, t: Optional[torch.Tensor]) -> None:
                            f"it: clone it first, or run this under torch.inference_mode()")
 
 
+def use_deterministic(deterministic: Optional[bool]) -> bool:
+    """The ops' ``deterministic`` option: None follows ``torch.use_deterministic_algorithms``."""
+    return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+
+
 def check_positive_int(name: str, n) -> None:
     """A Python int >= 1 (not a bool): the modules' sizes, counts and batch sizes."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

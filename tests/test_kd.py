@@ -1005,8 +1005,10 @@ def test_bad_inputs():
                                    sparsefuse.topk_kd_loss_from_logits(z, ids, t, m))
     with pytest.raises(ValueError, match="student_logits_topk has shape"):
         sparsefuse.topk_kd_loss(z, t, m)
-    with pytest.raises(TypeError, match="hidden has dtype float64"):
+    with pytest.raises(TypeError, match="hidden has dtype float64 and lm_head_weight float32; they must match"):
         sparsefuse.topk_kd_loss_from_hidden(d["h"].double(), d["w"], ids, t, m)
+    with pytest.raises(TypeError, match="hidden has dtype int64; expected one of float16"):
+        sparsefuse.topk_kd_loss_from_hidden(d["h"].long(), d["w"], ids, t, m)
     with pytest.raises(ValueError, match="ce_weight is set but labels is None"):
         sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], ids, t, m, ce_weight=1.0)
     with pytest.raises(ValueError, match=r"hidden has shape \(5, 12\); expected \[\.\.\., 11\]"):

@@ -657,6 +657,29 @@ def test_functorch_reverse_mode_is_refused(op):
         param = torch.nn.Parameter(primal.clone())
         torch.testing.assert_close(torch.func.grad(lambda ss: ss * fn(param))(s), fn(primal))
         torch.testing.assert_close(torch.vmap(fn)(batch), torch.stack([fn(primal), fn(2 * primal)]))
+        # a vmap inside grad: the batched arguments do not require grad, which had let PyTorch's
+        # setup_context message through
+        with pytest.raises(NotImplementedError, match=match):
+            torch.func.grad(lambda b: torch.vmap(fn)(b).sum())(batch)
+        with pytest.raises(NotImplementedError, match=match):
+            torch.func.vjp(torch.vmap(fn), batch)
+
+
+@pytest.mark.parametrize("op", list(_reverse_cases()))
+def test_batched_backward_is_refused(op):
+    """A backward under torch.vmap (batched incoming gradients) failed deep inside PyTorch or the
+    kernels ("Cannot access storage of BatchedTensorImpl", "Batching rule not implemented"); it now
+    says what is not supported. One gradient at a time still runs."""
+    fn, primal = _reverse_cases()[op]
+    p = primal.clone().requires_grad_()
+    out = fn(p)
+    batched = torch.stack([torch.ones_like(out), 2 * torch.ones_like(out)])
+    with pytest.raises(NotImplementedError, match="sparsefuse ops have no batched backward"):
+        torch.autograd.grad(fn(p), p, batched, is_grads_batched=True)
+    with pytest.raises(NotImplementedError, match="sparsefuse ops have no batched backward"):
+        torch.autograd.functional.jacobian(lambda q: fn(q).reshape(1), primal, vectorize=True)
+    (got,) = torch.autograd.grad(out, p)
+    assert got.abs().sum() > 0
 
 
 def test_ema_update_refuses_vmap():

@@ -352,7 +352,9 @@ def test_forward_and_helpers_refuse_bad_input():
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(k=30), "k must be between 1 and n_latents=24"),
-    (dict(k=0), "k must be between 1"),
+    (dict(k=0), "k must be a positive int, got 0"),
+    (dict(d_model=0), "d_model must be a positive int, got 0"),
+    (dict(n_latents=-2), "n_latents must be a positive int, got -2"),
     (dict(k=3.0), "k must be a positive int, got 3.0"),  # failed later, in torch.topk
     (dict(decoder="triton"), "decoder must be one of"),
     (dict(encoder="fused"), "encoder must be one of"),

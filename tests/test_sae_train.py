@@ -71,7 +71,7 @@ def test_activation_files(tmp_path, ext):
 
 def test_log_every_must_be_positive():
     """log_every=0 passed the set-up and died in a ZeroDivisionError at the first step."""
-    with pytest.raises(ValueError, match="log_every must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="log_every must be a positive int, got 0"):
         train_sae(TrainConfig(k=2, n_latents=8, batch_size=20, steps=3, out=None, progress=False, log_every=0),
                   log=lambda *_: None)
 

@@ -1248,6 +1248,35 @@ def test_module_rejects_a_wrong_last_dim_before_updating(levels):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
+def test_module_refuses_activation_checkpointing_in_training(levels, reentrant):
+    """torch.utils.checkpoint reran a training-mode forward inside the backward, after its in-place
+    EMA update: the rerun quantized with the updated codebook, and x's gradient came out 55-76% off
+    (the reentrant form updated the codebook twice too). The rerun now raises, after one update;
+    in eval mode the checkpointed module gives the plain gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(1)
+    vq = (VectorQuantizer(8, 5, decay=0.5) if levels is None else ResidualVQ(levels, 8, 5, decay=0.5)).to(DEVICE)
+    x = torch.randn(6, 8, device=DEVICE)
+    plain = copy.deepcopy(vq)
+    plain(x)
+    xb = x.clone().requires_grad_()
+    _, _, loss = checkpoint(vq, xb, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match=f"{type(vq).__name__} in training mode cannot run inside a backward pass"):
+        loss.backward()
+    for a, b in zip(plain.buffers(), vq.buffers()):  # one update, as without checkpointing
+        assert torch.equal(a, b)
+    vq.eval()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (vq(xa)[0].square().sum() + vq(xa)[2]).backward()
+    out, _, loss = checkpoint(vq, xb, use_reentrant=reentrant)
+    (out.square().sum() + loss).backward()
+    assert xa.grad.abs().sum() > 0
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-6)  # the bug: 55-76% off
+
+
 def test_residual_vq_needs_a_level():
     """num_levels=0 built a module whose first forward died in a ZeroDivisionError."""
     for bad in (0, -1, 2.0, True):

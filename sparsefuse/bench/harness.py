@@ -6,8 +6,10 @@ provider, one shape, one dtype) and hands them to :func:`run_cases`. Each case i
 peak extra memory is read from the CUDA caching allocator. Each case also gets a device time
 (:func:`device_time`): the same step with the host far ahead of the GPU, so it reads the GPU's
 time alone where do_bench, at small shapes, reads how fast the host enqueues. Results are merged into
-``<out>/<family>.json`` keyed by (op, provider, shape, dtype, mode, GPU, version); :func:`render`
-turns the JSON into the README table and a PNG plot.
+``<out>/<family>.json`` keyed by (op, provider, shape, dtype, mode, GPU, version); each family's
+``render`` builds its tables from the JSON (:func:`speedup_table`) and :func:`publish` writes them
+into the README and ``<out>/<family>.md`` beside a PNG plot. Without a GPU, each family's ``check``
+compares its ops with the float64 reference instead (:func:`rel_err`).
 """
 
 from __future__ import annotations
@@ -396,6 +398,23 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
         lines.append("Device ms: the median GPU time of a step with the host far ahead (`harness.device_time`); "
                      "where it is below the do_bench time, the step waited on the host.")
     return "\n".join(lines)
+
+
+def rel_err(got, want) -> float:
+    """The largest ``norm(a - b) / norm(b)`` over pairs of tensors, in float64: the families' CPU checks."""
+    return max(float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
+               for a, b in zip(got, want))
+
+
+def publish(family: str, text: str, results: list, *, out_dir: str, readme: str, title: str, x_key: str,
+            mode: str = "full") -> str:
+    """Put a family's rendered ``text`` into its README section and ``<out_dir>/<family>.md``, and plot
+    ``results`` into ``<out_dir>/<family>.png``."""
+    update_readme(family, text, readme)
+    with open(os.path.join(out_dir, f"{family}.md"), "w") as f:
+        f.write(text + "\n")
+    plot(results, os.path.join(out_dir, f"{family}.png"), title=title, x_key=x_key, mode=mode)
+    return text
 
 
 def update_readme(section: str, text: str, readme: str = "README.md") -> bool:

@@ -203,14 +203,8 @@ def render(out_dir=harness.RESULTS_DIR, readme="README.md"):
                                   device_baselines=("torch", "torch.compile"))
     targets = _targets(results)
     text = table + ("\n\nTargets:\n" + targets if targets else "")
-    harness.update_readme(FAMILY, text, readme)
-    with open(f"{out_dir}/{FAMILY}.md", "w") as f:
-        f.write(text + "\n")
-    try:
-        harness.plot(results, f"{out_dir}/{FAMILY}.png", title="Top-K KD loss, forward + backward", x_key="K")
-    except Exception:  # noqa: BLE001 - a plot is a nicety; the table is the result
-        pass
-    return text
+    return harness.publish(FAMILY, text, results, out_dir=out_dir, readme=readme,
+                           title="Top-K KD loss, forward + backward", x_key="K")
 
 
 def check(log=print) -> bool:
@@ -235,8 +229,7 @@ def check(log=print) -> bool:
         got += torch.autograd.grad(got[0], params)
         want = [ref()]
         want += torch.autograd.grad(want[0], params)
-        err = max(float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
-                  for a, b in zip(got, want))
+        err = harness.rel_err(got, want)
         good = err < 1e-4
         ok &= good
         log(f"  {name:<12} loss and gradients vs float64 reference: max relative error {err:.2e}  "

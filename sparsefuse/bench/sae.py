@@ -81,11 +81,8 @@ def render(out_dir=harness.RESULTS_DIR, readme="README.md"):
                                   device_baselines=("torch.compile",))
     ratio_lines = _ratio_lines(results)
     text = table + ("\n\n" + ratio_lines if ratio_lines else "")
-    harness.update_readme(FAMILY, text, readme)
-    harness.plot(results, f"{out_dir}/{FAMILY}.png", title="SAE decoder loss, forward + backward", x_key="K")
-    with open(f"{out_dir}/{FAMILY}.md", "w") as f:
-        f.write(text + "\n")
-    return text
+    return harness.publish(FAMILY, text, results, out_dir=out_dir, readme=readme,
+                           title="SAE decoder loss, forward + backward", x_key="K")
 
 
 def _ratio_lines(results):
@@ -127,8 +124,7 @@ def check(log=print) -> bool:
         p64 = [p.detach().double().requires_grad_() for p in params]
         want = [ref(idx, p64[0], p64[1], p64[2], target.double())]
         want += torch.autograd.grad(want[0], p64)
-        err = max(float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
-                  for a, b in zip(got, want))
+        err = harness.rel_err(got, want)
         good = err < 1e-5
         ok &= good
         log(f"  {op_name:<13} loss and gradients vs float64 reference: max relative error {err:.2e}  "

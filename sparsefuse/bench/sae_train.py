@@ -131,11 +131,8 @@ def render(out_dir=harness.RESULTS_DIR, readme="README.md"):
     steps = [r for r in results if r.op in LOSSES]
     table = harness.speedup_table(steps, baselines=("torch", "torch.compile"), shape_keys=["B", "K", "F", "D"])
     text = table + "\n\n" + shares(results)
-    harness.update_readme(FAMILY, text, readme)
-    harness.plot(steps, f"{out_dir}/{FAMILY}.png", title="SAE training step (bf16)", x_key="K")
-    with open(f"{out_dir}/{FAMILY}.md", "w") as f:
-        f.write(text + "\n")
-    return text
+    return harness.publish(FAMILY, text, steps, out_dir=out_dir, readme=readme, title="SAE training step (bf16)",
+                           x_key="K")
 
 
 def check(log=print) -> bool:

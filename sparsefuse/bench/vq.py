@@ -213,12 +213,8 @@ def render(out_dir=harness.RESULTS_DIR, readme="README.md"):
         + _table(results, "vq_step", ("vector-quantize-pytorch",), mode="full"),
     ]
     text = "\n\n".join(p for p in parts if not p.endswith("\n\n"))
-    harness.update_readme(FAMILY, text, readme)
-    harness.plot([r for r in results if r.op.startswith("ema")], f"{out_dir}/{FAMILY}.png",
-                 title="VQ EMA update", x_key="B", mode="fwd")
-    with open(f"{out_dir}/{FAMILY}.md", "w") as f:
-        f.write(text + "\n")
-    return text
+    return harness.publish(FAMILY, text, [r for r in results if r.op.startswith("ema")], out_dir=out_dir,
+                           readme=readme, title="VQ EMA update", x_key="B", mode="fwd")
 
 
 def check(log=print) -> bool:
@@ -231,8 +227,7 @@ def check(log=print) -> bool:
         vq_ema_update(x, codes, *state, generator=g1, **_ema_kwargs(semantics))
         reference.ema_update(x.double(), codes, *ref, decay=0.99, active=semantics == "active", threshold=THRESHOLD,
                              restart_after=RESTART_AFTER, generator=g2)
-        err = max(float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-                  for a, b in zip(state, ref))
+        err = harness.rel_err(state, ref)
         good = err < 1e-5
         ok &= good
         log(f"  ema_{semantics:<8} state vs float64 reference: max relative error {err:.2e}  {'ok' if good else 'FAILED'}")

@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dtypes import acc_dtype, tl_dtype
 from .._launch import cdiv, launch, launch_tuned, next_pow2
 from .._registry import INTERPRET
-from .reference import IGNORE_INDEX, acc_dtype
+from .reference import IGNORE_INDEX
 
 # Launch heuristics, in one place. A row kernel streams BLOCK_V logits per iteration.
 _ROW_BLOCK_V, _ROW_WARPS = (64, 1) if INTERPRET else (4096, 8)
@@ -62,8 +63,6 @@ CHUNK_BYTES = 256 * 2**20
 IGNORE = tl.constexpr(IGNORE_INDEX)
 
 
-def _tl_dtype(dt: torch.dtype):
-    return tl.float64 if dt == torch.float64 else tl.float32
 
 
 @triton.jit
@@ -165,11 +164,11 @@ def _kd_topk_kernel(
     BLOCK_K: tl.constexpr,
 ):
     inv_t, temperature = tl.full([], inv_t, ACC), tl.full([], temperature, ACC)
-    i_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)
-    m_n = i_n < N
+    m_n = o_n < N
     m_2 = m_n[:, None] & (o_k < K)[None, :]
-    o_2 = i_n[:, None] * K + o_k[None, :]  # [BLOCK_N, BLOCK_K]
+    o_2 = o_n[:, None] * K + o_k[None, :]  # [BLOCK_N, BLOCK_K]
     b_s = tl.load(z_ptr + o_2, mask=m_2, other=0).to(ACC) * inv_t
     b_t = tl.load(t_ptr + o_2, mask=m_2, other=0).to(ACC)
     m_valid = m_2 & (tl.load(m_ptr + o_2, mask=m_2, other=0) != 0)
@@ -177,11 +176,11 @@ def _kd_topk_kernel(
     if IS_BWD:
         b_f = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(gl_ptr).to(ACC) * tl.load(scale_ptr).to(ACC)
         if HAS_GT:
-            b_f += tl.load(gt_ptr + i_n, mask=m_n, other=0).to(ACC)
+            b_f += tl.load(gt_ptr + o_n, mask=m_n, other=0).to(ACC)
         tl.store(g_ptr + o_2, (b_corr * (b_f * temperature)[:, None]).to(g_ptr.dtype.element_ty), mask=m_2)
     else:
-        tl.store(tok_ptr + i_n, b_loss * (temperature * temperature), mask=m_n)
-        tl.store(flag_ptr + i_n, (tl.sum(m_valid.to(tl.int32), 1) > 0).to(ACC), mask=m_n)
+        tl.store(tok_ptr + o_n, b_loss * (temperature * temperature), mask=m_n)
+        tl.store(flag_ptr + o_n, (tl.sum(m_valid.to(tl.int32), 1) > 0).to(ACC), mask=m_n)
 
 
 @triton.jit
@@ -637,7 +636,7 @@ def reduce(tok, ce, flags, labels, reduction, num_items, num_items_value, ce_wei
     loss = torch.empty((), device=dev, dtype=acc) if tok is not None else None
     args = (tok, ce, flags, labels, num_items, loss, scale, flags.shape[0], float(num_items_value), float(ce_weight))
     meta = dict(REDUCTION=reduction, HAS_TOK=tok is not None, HAS_CE=labels is not None,
-                HAS_ITEMS=num_items is not None, ACC=_tl_dtype(acc), BLOCK=_REDUCE_BLOCK)
+                HAS_ITEMS=num_items is not None, ACC=tl_dtype(acc), BLOCK=_REDUCE_BLOCK)
     launch(_kd_reduce_kernel, (1,), args, meta, 4)
     return loss, scale
 
@@ -653,7 +652,7 @@ def topk_fwd(z, t, mask, temperature, reduction, num_items, num_items_value):
         launch(_kd_topk_kernel, (cdiv(N, cfg["BLOCK_N"]),),
                (z.contiguous(), t.contiguous(), _u8(mask), tok, flags, None, None, None, None, N, K,
                 1.0 / temperature, float(temperature)),
-               dict(IS_BWD=False, HAS_GT=False, ACC=_tl_dtype(acc), **cfg), _TOPK_WARPS)
+               dict(IS_BWD=False, HAS_GT=False, ACC=tl_dtype(acc), **cfg), _TOPK_WARPS)
     loss, scale = reduce(tok, None, flags, None, reduction, num_items, num_items_value, 0.0, acc)
     return loss, tok, scale
 
@@ -667,7 +666,7 @@ def topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature):
                (z.contiguous(), t.contiguous(), _u8(mask), None, None, g, grad_loss.contiguous(),
                 None if grad_tok is None else grad_tok.contiguous(), scale, N, K, 1.0 / temperature,
                 float(temperature)),
-               dict(IS_BWD=True, HAS_GT=grad_tok is not None, ACC=_tl_dtype(scale.dtype), **cfg), _TOPK_WARPS)
+               dict(IS_BWD=True, HAS_GT=grad_tok is not None, ACC=tl_dtype(scale.dtype), **cfg), _TOPK_WARPS)
     return g
 
 
@@ -694,12 +693,12 @@ def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
     if normalize == 2:
         bits = bits[:n].zero_()
         launch(_kd_mark_slots_kernel, (n,), (ids, t, mask_u8, bits, K, V, bits.stride(0)),
-               dict(ACC=_tl_dtype(acc), BLOCK_K=next_pow2(K)), 1)
+               dict(ACC=tl_dtype(acc), BLOCK_K=next_pow2(K)), 1)
     launch(_kd_row_fwd_kernel, (n,),
            (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, bits, V, K, z.stride(0),
             0 if bits is None else bits.stride(0), 1.0 / temperature, float(temperature)),
            dict(NORMALIZE=normalize, HAS_CE=has_ce, SEP_CE=has_ce and (normalize == 0 or temperature != 1.0),
-                ACC=_tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)), _ROW_WARPS)
+                ACC=tl_dtype(acc), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)), _ROW_WARPS)
 
 
 def _row_bwd(z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, normalize, temperature):
@@ -713,7 +712,7 @@ def _row_bwd(z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok
            (z, g, ids, mask_u8, labels, lse, A, corr, lse1, grad_loss, grad_tok, scale, V, K, z.stride(0), g.stride(0),
             1.0 / temperature, float(temperature), v_per_prog),
            dict(NORMALIZE=normalize, HAS_CE=labels is not None, HAS_GL=grad_loss is not None,
-                HAS_GT=grad_tok is not None, ACC=_tl_dtype(scale.dtype), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)),
+                HAS_GT=grad_tok is not None, ACC=tl_dtype(scale.dtype), BLOCK_V=_ROW_BLOCK_V, BLOCK_K=next_pow2(K)),
            _ROW_WARPS)
 
 
@@ -760,7 +759,7 @@ def lm_weight_grad(ids, mask, g, hidden, V, out_dtype, alpha=1.0):
     K = ids.shape[1]
     launch_tuned(_kd_weight_grad_kernel, lambda meta: (n_tiles, cdiv(H, meta["BLOCK_H"])),
                  (seg, sorted_keys, order, g, hidden, out, V, H, K, float(alpha)),
-                 dict(SPLIT=hidden.dtype in (torch.float16, torch.bfloat16), ACC=_tl_dtype(acc_dtype(hidden)),
+                 dict(SPLIT=hidden.dtype in (torch.float16, torch.bfloat16), ACC=tl_dtype(acc_dtype(hidden)),
                       BLOCK_V=_WG_BLOCK_V, BLOCK_E=_WG_BLOCK_E),
                  (_kd_weight_grad_kernel, H, K, g.dtype, hidden.dtype, out.dtype, hidden.device))
     return out
@@ -828,7 +827,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
             launch(_kd_hidden_topk_kernel, (N,),
                    (hidden, weight, bias, ids, t, m8, tok, flags2, g, gh if need_gh else None, scale, H, V, K,
                     weight.stride(0), 1.0 / temperature, float(temperature)),
-                   dict(HAS_BIAS=bias is not None, NEED_GRAD=need_grad, NEED_GH=need_gh, ACC=_tl_dtype(acc),
+                   dict(HAS_BIAS=bias is not None, NEED_GRAD=need_grad, NEED_GH=need_gh, ACC=tl_dtype(acc),
                         BLOCK_K=next_pow2(K), BLOCK_H=_HID_BLOCK_H), _HID_WARPS)
         elif need_gh:
             gh.zero_()
@@ -890,7 +889,7 @@ def rescale_(x: torch.Tensor, g: torch.Tensor, applied: torch.Tensor) -> None:
     n = x.numel()
     if n:
         launch(_kd_rescale_kernel, (cdiv(n, _SCALE_BLOCK),), (x, g, applied, n),
-               dict(ACC=_tl_dtype(x.dtype), BLOCK=_SCALE_BLOCK), 4)
+               dict(ACC=tl_dtype(x.dtype), BLOCK=_SCALE_BLOCK), 4)
 
 
 def hidden_bwd(grad_loss, gh, gw, gb, applied):

@@ -408,8 +408,9 @@ class _HiddenFunction(torch.autograd.Function):
         if (need_h and gh.dim() == 1) or (need_w and gw.dim() == 1) or (need_b and gb.numel() == 0):
             raise RuntimeError("topk_kd_loss_from_hidden: a gradient was not computed in the forward pass "
                                "(the input did not require grad, or grad mode was off, when the loss was computed)")
+        rest = (None,) * (len(ctx.needs_input_grad) - 3)  # the forward's other inputs get no gradient
         if grad_loss is None:
-            return (None,) * 17
+            return (None, None, None) + rest
         if ctx.handed_out:
             # A later backward (retain_graph): the caller holds the tensors returned before (a
             # leaf's .grad may even be one of them), so scale new ones by grad_loss / applied.
@@ -433,7 +434,7 @@ class _HiddenFunction(torch.autograd.Function):
             # so a later backward can still unpack them (`applied` records the factors they now carry).
             _hidden_bwd_op(grad_loss, gh.data, gw.data, gb.data, applied.data)
             ctx.handed_out = True
-        return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 14
+        return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + rest
 
 
 def _needs_grad(t: Optional[Tensor]) -> bool:
@@ -490,7 +491,10 @@ def topk_kd_loss_from_hidden(
     check_tensor("lm_head_weight", lm_head_weight, shape=(None, None), dtypes=FLOAT_DTYPES)
     V, H = lm_head_weight.shape
     dev = lm_head_weight.device
-    check_tensor("hidden", hidden, dtypes=(lm_head_weight.dtype,), device=dev)
+    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, device=dev)
+    if hidden.dtype != lm_head_weight.dtype:  # under autocast a bf16 hidden meets an fp32 weight
+        raise TypeError(f"hidden has dtype {str(hidden.dtype)[6:]} and lm_head_weight {str(lm_head_weight.dtype)[6:]}; "
+                        f"they must match (the kernels do not follow autocast: cast one to the other's dtype)")
     if hidden.dim() < 1 or hidden.shape[-1] != H:
         raise ValueError(f"hidden has shape {tuple(hidden.shape)}; expected [..., {H}] (lm_head_weight is [{V}, {H}])")
     ids, t, m, lead = _check_targets(target_token_ids, target_logprobs, target_mask, dev)

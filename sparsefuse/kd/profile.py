@@ -73,7 +73,7 @@ def topk_stages(h, w, ids, t, m):
     gh = torch.empty_like(h)
     scale = torch.tensor([1.0 / N, 0.0], device=dev)
     m8 = kernels._u8(m)
-    tl_acc = kernels._tl_dtype(acc)
+    tl_acc = kernels.tl_dtype(acc)
     for grad in (False, True):
         for bh in (64, 128):
             for nw in (2,):
@@ -142,7 +142,7 @@ def gathered_overhead(N, K, iters=300, dev="cuda"):
         "one reduce launch": lambda: kernels.reduce(tok, None, flags, None, 1, None, 1.0, 0.0, acc),
         "one topk launch": lambda: kernels._kd_topk_kernel[(cdiv(N, 64),)](
             zd, t, m8, tok, flags, None, None, None, None, N, K, 1.0, 1.0, IS_BWD=False, HAS_GT=False,
-            ACC=kernels._tl_dtype(acc), BLOCK_N=64, BLOCK_K=64),
+            ACC=kernels.tl_dtype(acc), BLOCK_N=64, BLOCK_K=64),
         "torch.empty x2": lambda: (torch.empty(N, device=dev), torch.empty(N, device=dev)),
     }
     for name, fn in rows.items():

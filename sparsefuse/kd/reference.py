@@ -42,18 +42,14 @@ Slots sharing an id add up. A token with no unmasked slot has L = 0 and a zero g
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
+
+from .._dtypes import acc_dtype
 
 NORMALIZE = {"topk": 0, "full": 1, "tail": 2}
 REDUCTION = {"sum": 0, "mean": 1}  # the ops' code 2 divides by num_items_in_batch
 IGNORE_INDEX = -100
-
-
-def acc_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
-    """Accumulation dtype: float64 if any input is float64, else float32."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def slot_columns(ids, valid, V):

@@ -35,16 +35,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dtypes import acc_dtype, tl_dtype
 from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
 from .._validate import check_index_range
-from .reference import acc_dtype
 
 # Launch heuristics, in one place (H200 sweeps: scripts/tune_sae.py, numbers in benchmarks/NOTES.md).
 # A gather tile holds BLOCK_K x BLOCK_D <= _GATHER_TILE elements in registers (BLOCK_D stops at 16, so
-# K > 512 goes over); the row dot products (_gather_config) take at least two warps a row, best at every K.
+# K > 512 goes over); the row dot products (_gather_config) take two warps a row, best at every K.
 _GATHER_TILE = 8192
+_ROW_DOT_WARPS = 2
 # Rows of many latents. The row dot products (_sae_row_dot_kernel) take blocks of at most
 # _MAX_BLOCK_K latents, one program per (row, block). The decode gather keeps all K latents of a row
 # in one tile up to _DECODE_TILE_MAX_K, where the tile spills but the fused TopK loss still reads
@@ -65,7 +66,7 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
     block_k = min(next_pow2(K), _MAX_BLOCK_K)
     cap = 128 if itemsize <= 2 else 256
     block_d = max(16, min(next_pow2(max(D, 1)), cap, _GATHER_TILE // block_k))
-    return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=max(2, block_k * block_d // 4096))
+    return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=_ROW_DOT_WARPS)
 
 
 def _decode_config(K: int, D: int, itemsize: int, loss: bool) -> dict:
@@ -83,7 +84,10 @@ def _decode_config(K: int, D: int, itemsize: int, loss: bool) -> dict:
     At least 128 columns a program for the loss (session 11; GPU time of a step, K = 32 / 64,
     ``scripts/probe_topk_host.py``, ``benchmarks/logs/probe_topk_host_session11.json``): fp32
     0.588 / 0.846 ms against 0.632 / 0.861 with K columns, bf16 0.517 / 0.724 against 0.560 / 0.743;
-    256 columns no better. Fewer, longer programs load each row's K ids and values fewer times."""
+    256 columns no better. Fewer, longer programs load each row's K ids and values fewer times.
+
+    ``itemsize`` is not read by this heuristic (32 columns won in both widths); it stays in the
+    signature for the variants ``scripts/tune_sae.py`` swaps in, which size tiles in bytes."""
     block_k = next_pow2(K)
     block_d = max(16, min(next_pow2(max(D, 1)), 32, _GATHER_TILE // block_k))
     group = cdiv(max(block_k, 128), block_d) if loss else 1
@@ -139,8 +143,6 @@ def _hier_config(D: int, itemsize: int, backward: bool) -> dict:
     return cfg
 
 
-def _tl_dtype(dt: torch.dtype):
-    return tl.float64 if dt == torch.float64 else tl.float32
 
 
 @triton.jit
@@ -618,7 +620,7 @@ def _decode_launch_into(out, idx, v, weight, bias, acc):
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=False))
     _launch(_sae_decode_fwd_kernel, (B, P),
         idx, v, weight, bias, None, out, None, None, 1, B, K, D, F, *_weight_strides(weight), cols,
-        HAS_BIAS=bias is not None, IS_LOSS=False, ACC=_tl_dtype(acc), **meta,
+        HAS_BIAS=bias is not None, IS_LOSS=False, ACC=tl_dtype(acc), **meta,
     )
 
 
@@ -686,7 +688,7 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
     _launch(_sae_weight_grad_kernel, grid,
         seg, order, weights, rows, part, wpart, scale, out, wsum, K, D, out.stride(0),
         WEIGHTED=weights is not None, ROW_PER_ENTRY=row_per_entry, HAS_SCALE=scale is not None,
-        HAS_WSUM=wsum is not None, ACC=_tl_dtype(acc), BLOCK_D=_SEG_BLOCK_D, CHUNK=chunk, E=GATHER_STEP,
+        HAS_WSUM=wsum is not None, ACC=tl_dtype(acc), BLOCK_D=_SEG_BLOCK_D, CHUNK=chunk, E=GATHER_STEP,
         num_warps=_SEG_WARPS,
     )
     return out
@@ -701,7 +703,7 @@ def row_dot(indices, weight, rows, fbias, out_dtype, acc):
         cfg = _gather_config(K, D, weight.element_size())
         _launch(_sae_row_dot_kernel, (B, cdiv(K, cfg["BLOCK_K"])),
             indices.contiguous(), weight, rows.contiguous(), fbias, out, K, D, F, *_weight_strides(weight),
-            HAS_BIAS=fbias is not None, ACC=_tl_dtype(acc), **cfg,
+            HAS_BIAS=fbias is not None, ACC=tl_dtype(acc), **cfg,
         )
     return out
 
@@ -786,7 +788,7 @@ def unit_rows_(weight, grad, eps):
         return
     g = weight if grad is None else grad
     _launch(_unit_rows_kernel, (F,), weight, g, D, *_weight_strides(weight), *_weight_strides(g), float(eps),
-            PROJECT=grad is not None, ACC=_tl_dtype(acc_dtype(weight, grad)),
+            PROJECT=grad is not None, ACC=tl_dtype(acc_dtype(weight, grad)),
             BLOCK_D=min(next_pow2(D), 1024), num_warps=4)
 
 
@@ -842,7 +844,7 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     _launch(_sae_decode_fwd_kernel, (B, P),
         indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), resid, gv, row_loss,
         B * D, B, K, D, F, *_weight_strides(weight), cols,
-        HAS_BIAS=bias is not None, IS_LOSS=True, ACC=_tl_dtype(acc), **meta,
+        HAS_BIAS=bias is not None, IS_LOSS=True, ACC=tl_dtype(acc), **meta,
     )
     if parts < P:
         gv = gv.sum(0, keepdim=True)
@@ -863,7 +865,7 @@ def _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype):
     grid = n_vals + cdiv(D, _FINISH_BLOCK)
     if grid:
         _launch(_grads_finish_kernel, (grid,), gv, grad_vals, colsum, grad_bias, gc, P, B * K, D, n_vals,
-                ACC=_tl_dtype(colsum.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
+                ACC=tl_dtype(colsum.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
     return grad_vals, grad_bias
 
 
@@ -904,7 +906,7 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     _launch(_hierarchical_sae_fwd_kernel, grid,
         indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, row_loss,
         B * K * D, B, K, D, F, *_weight_strides(weight),
-        HAS_BIAS=bias is not None, ACC=_tl_dtype(acc), **cfg,
+        HAS_BIAS=bias is not None, ACC=tl_dtype(acc), **cfg,
     )
     return row_loss.sum(), etot
 
@@ -938,8 +940,8 @@ def hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
     n_tiles = cdiv(D, block_d)
     stage16 = weight_dtype in _STAGE_DTYPES and (deterministic or B * K * itemsize <= 4 * F)
     mode = 0 if not need_weight_grad else 3 if stage16 else 2 if deterministic else 1
-    chunk = _stage_tiles(F, D, B * K, itemsize, block_d) if mode == 3 else n_tiles
-    return mode, chunk, n_tiles
+    per_launch = _stage_tiles(F, D, B * K, itemsize, block_d) if mode == 3 else n_tiles
+    return mode, per_launch, n_tiles
 
 
 def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, deterministic) -> bool:
@@ -952,8 +954,8 @@ def hierarchical_fusable(B, K, F, D, weight_dtype, acc, need_weight_grad, determ
     scaling it would cost a read and a write of F x D and a second F x D buffer, more than the
     forward sweep it saves. fp32 weights with an fp64 input do have one (their fp64 buffer is
     converted), so they fuse."""
-    mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
-    return chunk >= n_tiles and not (mode == 1 and weight_dtype == acc)
+    mode, per_launch, n_tiles = hierarchical_plan(B, K, F, D, weight_dtype, need_weight_grad, deterministic)
+    return per_launch >= n_tiles and not (mode == 1 and weight_dtype == acc)
 
 
 def hierarchical_gv_tiles(D, weight_dtype, deterministic) -> int:
@@ -997,7 +999,7 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     _launch(_hierarchical_sae_bwd_kernel, grid,
         indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, None, stage, gv,
         row_loss, B * K * D, B, K, D, F, *_weight_strides(weight), 0, D,
-        HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=_tl_dtype(acc), **cfg,
+        HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=True, ACC=tl_dtype(acc), **cfg,
     )
     return row_loss.sum(), etot, gv, stage
 
@@ -1018,7 +1020,7 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
         n, block = stage.numel(), 1024 if INTERPRET else 4096
         if n:
             _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, gc, n,
-                    ACC=_tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
+                    ACC=tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
     else:
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
     grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype)  # behind the long launch
@@ -1039,11 +1041,11 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     gc = g * c  # a device scalar in ACC: a Python float reaches a kernel as fp32, too coarse for fp64
     grad_bias = etot.sum(0).mul_(gc)
     cfg = _hier_config(D, weight.element_size(), backward=True)
-    mode, chunk, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
+    mode, per_launch, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
     narrow = mode == 1 and weight.element_size() == 4 and B * K >= _NARROW_MIN_ENTRIES  # fp32 atomics
     if narrow and _narrow_atomic_bwd(weight.device):
         cfg = dict(cfg, BLOCK_D=min(cfg["BLOCK_D"], 32))
-        n_tiles = chunk = cdiv(D, cfg["BLOCK_D"])
+        n_tiles = per_launch = cdiv(D, cfg["BLOCK_D"])
     buf = grad_weight = None
     if mode == 1:
         buf = torch.zeros(F, D, device=vals.device, dtype=acc)
@@ -1051,7 +1053,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         buf = torch.empty(B * K, D, device=vals.device, dtype=acc)
     elif mode == 3:
         grad_weight = torch.empty(F, D, device=vals.device, dtype=weight.dtype)
-        buf = torch.empty(B * K, min(chunk * cfg["BLOCK_D"], D), device=vals.device, dtype=weight.dtype)
+        buf = torch.empty(B * K, min(per_launch * cfg["BLOCK_D"], D), device=vals.device, dtype=weight.dtype)
         segments = feature_segments(indices, F)
     if B == 0 or D == 0:
         if buf is not None:
@@ -1065,9 +1067,9 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
         args = (indices.contiguous(), vals.contiguous(), weight, _contiguous(bias), target.contiguous(), etot, gc, buf,
                 gv, None, 1, B, K, D, F, *_weight_strides(weight))
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
-                    ACC=_tl_dtype(acc), **cfg)
-        for t0 in range(0, n_tiles, chunk):
-            tiles = min(chunk, n_tiles - t0)
+                    ACC=tl_dtype(acc), **cfg)
+        for t0 in range(0, n_tiles, per_launch):
+            tiles = min(per_launch, n_tiles - t0)
             d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)
             _launch(_hierarchical_sae_bwd_kernel, (_hier_grid(B, D, cfg)[0], tiles), *args, t0,
                     d1 - d0 if mode == 3 else D, **meta)

@@ -120,11 +120,10 @@ class TopKSAE(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if d_model < 1 or n_latents < 1:
-            raise ValueError(f"d_model and n_latents must be >= 1, got d_model={d_model}, n_latents={n_latents}")
-        if not 1 <= k <= n_latents:
+        for name, n in (("d_model", d_model), ("n_latents", n_latents), ("k", k)):
+            check_positive_int(name, n)  # whole numbers: a float k failed later, in torch.topk
+        if k > n_latents:
             raise ValueError(f"k must be between 1 and n_latents={n_latents}, got k={k}")
-        check_positive_int("k", k)  # a whole number: a float k failed later, in torch.topk
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {sorted(DECODERS)}, got {decoder!r}")
         if encoder not in ENCODERS:
@@ -155,8 +154,12 @@ class TopKSAE(nn.Module):
 
     def pre_acts(self, x: Tensor) -> Tensor:
         """``relu((x - b_dec) @ W_enc.T + b_enc)``, ``[B, F]``, in the parameters' dtype."""
-        x = x.to(self.W_enc.dtype)
-        return F.relu(F.linear(x - self.b_dec.to(x.dtype), self.W_enc, self.b_enc))
+        return F.relu(self._encoder_linear(x.to(self.W_enc.dtype)))
+
+    def _encoder_linear(self, xe: Tensor, W_enc: Optional[Tensor] = None, b_enc: Optional[Tensor] = None) -> Tensor:
+        """``(xe - b_dec) @ W_enc.T + b_enc`` before the ReLU: every latent, or the encoder rows given."""
+        W_enc, b_enc = (self.W_enc, self.b_enc) if W_enc is None else (W_enc, b_enc)
+        return F.linear(xe - self.b_dec.to(xe.dtype), W_enc, b_enc)
 
     def encode(self, x: Tensor, k: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """``(indices [B, k] int64, vals [B, k])``: the k (default K) largest activations, largest first."""
@@ -227,15 +230,15 @@ class TopKSAE(nn.Module):
         xe = x.to(self.W_enc.dtype)  # the encoder's input, in its parameters' dtype (x stays the target)
         shift = self.b_dec.to(xe.dtype)  # the pre-encoder bias
         if self.encoder == "dense":
-            pre = F.relu(F.linear(xe - shift, self.W_enc, self.b_enc))
+            pre = F.relu(self._encoder_linear(xe))
             vals, indices = pre.topk(self.k, dim=-1, sorted=True)
         else:  # the dense product only selects; ReLU would not change which latents end up nonzero
             with torch.no_grad():
-                pre = F.linear(xe - shift, self.W_enc, self.b_enc)
+                pre = self._encoder_linear(xe)
             top, indices = pre.topk(self.k, dim=-1, sorted=True)
             vals = F.relu(sparse_linear(xe, self.W_enc, indices, self.b_enc, shift, values=top))
         if variance is None:
-            xf = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+            xf = x.detach().to(reference.acc_dtype(x))
             xf = xf - xf.sum(0) / max(xf.shape[0], 1)
             variance = xf.square().sum() / max(xf.numel(), 1)
             # an empty batch divides its 0 loss by 1; a batch without variance gets NaN (it was
@@ -295,7 +298,7 @@ class TopKSAE(nn.Module):
         else:
             W_enc, b_enc, W_dec = self.W_enc[latents], self.b_enc[latents], self.W_dec[latents]
         if self.encoder == "sparse":  # the candidates' pre-activations again, now with a graph
-            a = F.relu(F.linear(xe - self.b_dec.to(xe.dtype), W_enc, b_enc))
+            a = F.relu(self._encoder_linear(xe, W_enc, b_enc))
         else:
             a = cand  # already relu'd, with a graph
         keep = torch.zeros(a.shape, dtype=torch.bool, device=a.device).scatter_(1, pick, True) & cand_dead

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .._registry import INTERPRET, register_op
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_in_place, check_no_partial_overlap, check_not_empty,
-                         check_number, check_tensor)
+                         check_number, check_tensor, use_deterministic)
 from . import kernels, reference
 
 
@@ -38,10 +38,6 @@ def _check_loss_inputs(indices, weight, vals, bias, target):
     _check_inputs(indices, weight, vals, bias)
     check_tensor("target", target, shape=(indices.shape[0], weight.shape[1]), dtypes=FLOAT_DTYPES,
                  device=weight.device)
-
-
-def _use_deterministic(deterministic: Optional[bool]) -> bool:
-    return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
 
 
 # --- sae_decode ------------------------------------------------------------------------------
@@ -486,7 +482,7 @@ def hierarchical_sae_loss(
     backward's sweep.
     """
     _check_loss_inputs(indices, weight, vals, bias, target)
-    deterministic = _use_deterministic(deterministic)
+    deterministic = use_deterministic(deterministic)
     if _fuse_hierarchical(indices, weight, vals, bias, target, deterministic):
         return _hier_grads_op(indices, weight, vals, bias, target, weight.requires_grad, deterministic)[0]
     return _hier_op(indices, weight, vals, bias, target, deterministic)[0]

@@ -15,16 +15,12 @@ Notation: B rows, K active latents per row, F dictionary size, D model width. Em
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
+from .._dtypes import acc_dtype
 from .._validate import check_index_range
 
 
-def acc_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
-    """Accumulation dtype: float64 if any input is float64, else float32."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def sae_decode(indices, vals, weight, bias=None):

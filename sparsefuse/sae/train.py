@@ -27,8 +27,10 @@ from typing import Optional
 import torch
 
 from .._validate import check_positive_int
-from .data import check_activations, expected_active, load_activations, synthetic_activations
-from .modules import TopKSAE, check_auxk_alpha, powers_of_two_upto
+from .data import expected_active, load_activations, synthetic_activations
+from .modules import TopKSAE, check_auxk_alpha
+
+__all__ = ["TrainConfig", "RunResult", "train_sae", "feature_recovery", "plot_runs"]
 
 LOSSES = ("topk", "hierarchical")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -328,18 +330,12 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"losses names a loss more than once: {tuple(cfg.losses)!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
-    if cfg.k < 1 or cfg.n_latents < 1:
-        raise ValueError(f"k and n_latents must be >= 1, got k={cfg.k}, n_latents={cfg.n_latents}")
-    if cfg.k > cfg.n_latents:
-        raise ValueError(f"k={cfg.k} is larger than n_latents={cfg.n_latents}")
-    if cfg.steps < 1 or cfg.batch_size < 1:
-        raise ValueError(f"steps and batch_size must be >= 1, got steps={cfg.steps}, batch_size={cfg.batch_size}")
-    if cfg.log_every < 1:
-        raise ValueError(f"log_every must be >= 1, got {cfg.log_every}")
-    if cfg.eval_rows < 2:
-        raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
     for name in ("k", "n_latents", "steps", "batch_size", "log_every", "eval_rows"):
         check_positive_int(name, getattr(cfg, name))  # whole numbers: a float k failed later, in torch.topk
+    if cfg.k > cfg.n_latents:
+        raise ValueError(f"k={cfg.k} is larger than n_latents={cfg.n_latents}")
+    if cfg.eval_rows < 2:
+        raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
     if cfg.lr is not None and not (0 < cfg.lr < 1e30):  # Adam accepts inf; 1e300 failed at the first step
         raise ValueError(f"lr must be finite and > 0 (below 1e30), got {cfg.lr}")
     if cfg.dead_tokens is not None and not 0 <= cfg.dead_tokens < 2**62:  # 1e23 overflowed a tensor
@@ -537,7 +533,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-__all__ = ["TrainConfig", "RunResult", "train_sae", "feature_recovery", "plot_runs", "check_activations",
-           "powers_of_two_upto"]

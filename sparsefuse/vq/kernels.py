@@ -44,11 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dtypes import acc_dtype, tl_dtype
+from .._launch import _current_stream, cdiv, launch, launch_tuned, next_pow2
 from .._registry import INTERPRET
 from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
 from .._validate import check_index_range
 from . import reference
-from .._launch import _current_stream, cdiv, launch, launch_tuned, next_pow2
 
 _MUL1 = tl.constexpr(reference.HASH_MUL1)
 _MUL2 = tl.constexpr(reference.HASH_MUL2)
@@ -336,11 +337,11 @@ def _vq_ema_apply_kernel(
 
     o_c = i_start + tl.arange(0, BLOCK_C)
     m_c = o_c < K
-    p_k = i_l * K + o_c  # [BLOCK_C]
-    b_n = tl.load(n_ptr + p_k, mask=m_c, other=0)
-    b_cs = tl.load(cs_ptr + p_k, mask=m_c, other=0)
+    o_lk = i_l * K + o_c  # [BLOCK_C]
+    b_n = tl.load(n_ptr + o_lk, mask=m_c, other=0)
+    b_cs = tl.load(cs_ptr + o_lk, mask=m_c, other=0)
     if HAS_COUNTERS:
-        b_cnt = tl.load(cnt_ptr + p_k, mask=m_c, other=0)
+        b_cnt = tl.load(cnt_ptr + o_lk, mask=m_c, other=0)
     else:
         b_cnt = tl.zeros([BLOCK_C], dtype=tl.int32)
     b_new, b_cnt_new, m_dead = _code_state(b_n, b_cs, b_cnt, decay, omd, threshold, restart_after, n_rows,
@@ -371,27 +372,27 @@ def _vq_ema_apply_kernel(
         o_d = i_d + tl.arange(0, BLOCK_D)
         m_d = o_d < D
         m = m_c[:, None] & m_d[None, :]
-        p = p_k[:, None] * D + o_d[None, :]  # [BLOCK_C, BLOCK_D]
-        b_es = tl.load(es_ptr + p, mask=m, other=0)
-        b_s = tl.load(s_ptr + p, mask=m, other=0)
-        b_cb = tl.load(cb_ptr + p, mask=m, other=0)
+        o_lkd = o_lk[:, None] * D + o_d[None, :]  # [BLOCK_C, BLOCK_D]
+        b_es = tl.load(es_ptr + o_lkd, mask=m, other=0)
+        b_s = tl.load(s_ptr + o_lkd, mask=m, other=0)
+        b_cb = tl.load(cb_ptr + o_lkd, mask=m, other=0)
         b_es_new = decay * b_es + omd * b_s
         if ACTIVE:
             b_es_new = tl.where(m_used[:, None], b_es_new, b_es)
         b_cb = tl.where(m_refresh[:, None], b_es_new * b_inv[:, None], b_cb)
         b_v = tl.load(p_x[:, None] + o_d[None, :], mask=m_own[:, None] & m_d[None, :], other=0).to(tl.float32)
         if DIST:
-            tl.store(cand_ptr + p, b_v, mask=m)
+            tl.store(cand_ptr + o_lkd, b_v, mask=m)
         else:
             b_cb = tl.where(m_dead[:, None], b_v, b_cb)
             b_es_new = tl.where(m_dead[:, None], b_v * r, b_es_new)
-        tl.store(es_ptr + p, b_es_new, mask=m)
-        tl.store(cb_ptr + p, b_cb, mask=m)
-    tl.store(cs_ptr + p_k, tl.where(m_dead, r, b_new), mask=m_c)
+        tl.store(es_ptr + o_lkd, b_es_new, mask=m)
+        tl.store(cb_ptr + o_lkd, b_cb, mask=m)
+    tl.store(cs_ptr + o_lk, tl.where(m_dead, r, b_new), mask=m_c)
     if HAS_COUNTERS:
-        tl.store(cnt_ptr + p_k, tl.where(m_dead, 0, b_cnt_new).to(cnt_ptr.dtype.element_ty), mask=m_c)
+        tl.store(cnt_ptr + o_lk, tl.where(m_dead, 0, b_cnt_new).to(cnt_ptr.dtype.element_ty), mask=m_c)
     if DIST:
-        tl.store(dead_ptr + p_k, m_dead.to(tl.int8), mask=m_c)
+        tl.store(dead_ptr + o_lk, m_dead.to(tl.int8), mask=m_c)
     if ZERO_STATS:
         # Zero this block's sums (only this program reads them) once every thread of the program
         # has read its share: the compiler may give the zero store a different thread layout
@@ -401,10 +402,10 @@ def _vq_ema_apply_kernel(
         for i_d in range(0, D, BLOCK_D):
             o_d = i_d + tl.arange(0, BLOCK_D)
             m = m_c[:, None] & (o_d < D)[None, :]
-            tl.store(s_ptr + p_k[:, None] * D + o_d[None, :], tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32), mask=m)
+            tl.store(s_ptr + o_lk[:, None] * D + o_d[None, :], tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32), mask=m)
         # the spare counts, which the next update adds into; not this update's: every program's
         # level scan reads all of those
-        tl.store(nz_ptr + p_k, tl.zeros([BLOCK_C], dtype=tl.float32), mask=m_c)
+        tl.store(nz_ptr + o_lk, tl.zeros([BLOCK_C], dtype=tl.float32), mask=m_c)
 
 
 @triton.jit
@@ -422,15 +423,15 @@ def _vq_ema_restart_kernel(
     i_c = tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(1).to(tl.int64)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    p_k = i_l * K + o_c
-    m_dead = tl.load(dead_ptr + p_k, mask=o_c < K, other=0) != 0  # [BLOCK_C]
+    o_lk = i_l * K + o_c
+    m_dead = tl.load(dead_ptr + o_lk, mask=o_c < K, other=0) != 0  # [BLOCK_C]
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m = m_dead[:, None] & (o_d < D)[None, :]
-        p = p_k[:, None] * D + o_d[None, :]
-        b_v = tl.load(cand_ptr + p, mask=m, other=0)  # [BLOCK_C, BLOCK_D]
-        tl.store(cb_ptr + p, b_v, mask=m)
-        tl.store(es_ptr + p, b_v * reset, mask=m)
+        o_lkd = o_lk[:, None] * D + o_d[None, :]
+        b_v = tl.load(cand_ptr + o_lkd, mask=m, other=0)  # [BLOCK_C, BLOCK_D]
+        tl.store(cb_ptr + o_lkd, b_v, mask=m)
+        tl.store(es_ptr + o_lkd, b_v * reset, mask=m)
 
 
 def _levels(t: torch.Tensor):
@@ -793,20 +794,20 @@ def _vq_quantize_kernel(
     for i_d in range(0, D, BLOCK_D):
         o_d = i_d + tl.arange(0, BLOCK_D)
         m = m_b[:, None] & (o_d < D)[None, :]
-        p = o_b[:, None] * D + o_d[None, :]  # [BLOCK_B, BLOCK_D]
+        o_bd = o_b[:, None] * D + o_d[None, :]  # [BLOCK_B, BLOCK_D]
         if FWD:
             b_q = tl.load(cb_ptr + b_code[:, None] * D + o_d[None, :], mask=m & m_ok[:, None], other=0)
             # rounded to out's dtype first: the loss is that of the out the backward sees
             b_q = tl.where(m_ok[:, None], b_q.to(out_ptr.dtype.element_ty).to(ACC), float("nan"))
         else:
-            b_q = tl.load(out_ptr + p, mask=m, other=0).to(ACC)
-        b_diff = tl.load(x_ptr + p, mask=m, other=0).to(ACC) - b_q
+            b_q = tl.load(out_ptr + o_bd, mask=m, other=0).to(ACC)
+        b_diff = tl.load(x_ptr + o_bd, mask=m, other=0).to(ACC) - b_q
         if FWD:
-            tl.store(out_ptr + p, b_q.to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(out_ptr + o_bd, b_q.to(out_ptr.dtype.element_ty), mask=m)
             b_loss += tl.sum(b_diff * b_diff, axis=1)
         else:
-            b_g = b_diff * b_gl + tl.load(gout_ptr + p, mask=m, other=0).to(ACC)
-            tl.store(gx_ptr + p, b_g.to(gx_ptr.dtype.element_ty), mask=m)
+            b_g = b_diff * b_gl + tl.load(gout_ptr + o_bd, mask=m, other=0).to(ACC)
+            tl.store(gx_ptr + o_bd, b_g.to(gx_ptr.dtype.element_ty), mask=m)
     if FWD:
         tl.store(loss_ptr + o_b, b_loss, mask=m_b)
 
@@ -814,8 +815,6 @@ def _vq_quantize_kernel(
 _Q_BLOCK_B, _Q_BLOCK_D = (16, 32) if INTERPRET else (16, 128)
 
 
-def _acc_tl(*ts):
-    return tl.float64 if any(t.dtype == torch.float64 for t in ts) else tl.float32
 
 
 def quantize_fwd(x, codes, codebook, beta):
@@ -824,13 +823,13 @@ def quantize_fwd(x, codes, codebook, beta):
     B, D = x.shape
     K = codebook.shape[0]
     check_index_range("codes", codes, K)
-    acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    acc = acc_dtype(x, codebook)
     out = torch.empty(B, D, device=x.device, dtype=x.dtype)
     rows = torch.empty(B, device=x.device, dtype=acc)
     if B and D:
         launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
                (x.contiguous(), codes.contiguous(), codebook.contiguous(), out, rows, None, None, None, B, K, D, 1.0),
-               dict(FWD=True, ACC=_acc_tl(x, codebook), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+               dict(FWD=True, ACC=tl_dtype(acc), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
     else:
         out.zero_()
         rows.zero_()
@@ -850,7 +849,7 @@ def quantize_bwd(grad_out, grad_loss, x, q, beta):
         launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
                (x.contiguous(), None, None, q.contiguous(), None, grad_out.contiguous(), grad_loss.contiguous(), gx,
                 B, 0, D, scale),
-               dict(FWD=False, ACC=_acc_tl(x, q), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+               dict(FWD=False, ACC=tl_dtype(acc_dtype(x, q)), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
     else:
         gx.zero_()
     return gx

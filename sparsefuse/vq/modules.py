@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._dtypes import acc_dtype
 from .._validate import check_number, check_positive_int
 from .ops import batch_statistics, check_ema_options, check_precision, nearest_code, quantize, vq_ema_update
 
@@ -52,6 +53,17 @@ def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: s
     return c, n
 
 
+def _refuse_recompute(module) -> None:
+    """A training-mode forward updates the codebook in place, so activation checkpointing, which runs
+    the forward again inside the backward, would search and quantize with the updated codebook
+    (silently wrong gradients for x) and, with ``use_reentrant=True``, update it a second time."""
+    if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(f"{type(module).__name__} in training mode cannot run inside a backward pass, as "
+                           f"activation checkpointing (torch.utils.checkpoint) reruns it: its forward updates the "
+                           f"codebook in place, so the rerun would quantize with the updated codebook. Keep the "
+                           f"quantizer outside the checkpointed function (or checkpoint it in eval mode)")
+
+
 def _sync_initted(module, incompatible_keys):
     module._initted = bool(module.initted)
 
@@ -65,9 +77,6 @@ def _flatten(module, x: Tensor) -> Tensor:
     return x.reshape(-1, module.dim)
 
 
-def _wide(x: Tensor) -> torch.dtype:
-    """The dtype the residual levels work in: float64 for float64 input, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 class VectorQuantizer(nn.Module):
@@ -76,7 +85,9 @@ class VectorQuantizer(nn.Module):
     ``forward(x [..., D]) -> (quantized [..., D], codes [...] int64, loss [])``: ``quantized`` equals
     the nearest codebook rows in value and passes gradients straight through to x; ``loss`` is
     ``commitment_weight * mean((x - sg(quantized))^2)``. In training mode the codebook is then
-    updated in place by :func:`sparsefuse.vq_ema_update` (no gradient reaches it).
+    updated in place by :func:`sparsefuse.vq_ema_update` (no gradient reaches it), so a
+    training-mode forward cannot be rerun by activation checkpointing: that raises ``RuntimeError``
+    (keep the quantizer outside the checkpointed function).
 
     Args:
         dim, codebook_size: D and K.
@@ -144,10 +155,9 @@ class VectorQuantizer(nn.Module):
         self.register_load_state_dict_post_hook(_sync_initted)
 
     def extra_repr(self) -> str:
-        levels = f"num_levels={self.num_levels}, " if isinstance(self, ResidualVQ) else ""
         restart = (f"restart_after_steps={self.restart_after_steps}" if self.semantics == "active"
                    else f"threshold={self.threshold}")
-        return (f"{levels}dim={self.dim}, codebook_size={self.codebook_size}, semantics={self.semantics!r}, "
+        return (f"dim={self.dim}, codebook_size={self.codebook_size}, semantics={self.semantics!r}, "
                 f"decay={self.decay}, {restart}, cosine={self.cosine}, precision={self.precision!r}")
 
     def _apply(self, fn, recurse=True):
@@ -183,6 +193,8 @@ class VectorQuantizer(nn.Module):
 
     def forward(self, x: Tensor):
         flat = _flatten(self, x)
+        if self.training:
+            _refuse_recompute(self)
         if self.training and not self._initted:
             self.kmeans_init_(flat)
         codes, _ = nearest_code(flat.detach(), self.codebook, cosine=self.cosine, precision=self.precision,
@@ -208,9 +220,12 @@ class ResidualVQ(VectorQuantizer):
         super().__init__(dim, codebook_size, _levels=num_levels, **kwargs)
         self.num_levels = num_levels
 
+    def extra_repr(self) -> str:
+        return f"num_levels={self.num_levels}, {super().extra_repr()}"
+
     @torch.no_grad()
     def kmeans_init_(self, x: Tensor) -> None:
-        r = x.detach().reshape(-1, self.dim).to(_wide(x))
+        r = x.detach().reshape(-1, self.dim).to(acc_dtype(x))
         for level in range(self.num_levels):
             c, n = _kmeans(r, self.codebook_size, self.kmeans_iters, cosine=self.cosine, precision=self.precision,
                            generator=self.generator, process_group=self.process_group,
@@ -224,9 +239,11 @@ class ResidualVQ(VectorQuantizer):
 
     def forward(self, x: Tensor):
         flat = _flatten(self, x)
+        if self.training:
+            _refuse_recompute(self)
         if self.training and not self._initted:
             self.kmeans_init_(flat)
-        wide = _wide(flat)  # the residuals in float32, float64 for float64 input (as VectorQuantizer)
+        wide = acc_dtype(flat)  # the residuals in float32, float64 for float64 input (as VectorQuantizer)
         resid = flat.detach().to(wide)
         inputs, all_codes, total = [], [], torch.zeros_like(resid)
         loss = flat.new_zeros((), dtype=wide)

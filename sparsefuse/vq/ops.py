@@ -26,9 +26,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._dtypes import acc_dtype
 from .._registry import INTERPRET, bump_versions, first_order, plain_eager, refuse_transforms, register_op
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_disjoint, check_in_place, check_index_range,
-                         check_not_empty, check_not_inference, check_number, check_tensor)
+                         check_not_empty, check_not_inference, check_number, check_tensor,
+                         use_deterministic)
 from . import kernels, reference
 
 SEMANTICS = ("laplace", "active")
@@ -297,7 +299,7 @@ def vq_ema_update(
         raise ValueError(f"restart_after_steps must be below 2^24, got {restart_after_steps}")
     dev = codebook.device
     reset = 0.0 if active else float(threshold if reset_cluster_size is None else reset_cluster_size)
-    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    det = use_deterministic(deterministic)
     eager = plain_eager((x, codes, codebook, cluster_size, embed_sum, steps_since_active))
     if process_group is None and eager and (codebook.is_cuda or INTERPRET):
         # Eager: the launchers directly, the keys as four kernel integers on CUDA (no key tensor) and
@@ -366,7 +368,7 @@ def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=Non
         x, codes = x.unsqueeze(0), codes.unsqueeze(0)
     L, B, D = x.shape
     cs = torch.zeros(L, num_codes, device=x.device, dtype=torch.float32)
-    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    det = use_deterministic(deterministic)
     stats = _acc_op(x, codes, cs, None, det, True)
     if process_group is not None:
         import torch.distributed as dist
@@ -380,7 +382,7 @@ def batch_statistics(x: Tensor, codes: Tensor, num_codes: int, process_group=Non
 
 
 def _search_fake(x, codebook, cosine, precision, deterministic):
-    acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    acc = acc_dtype(x, codebook)
     return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=acc)
 
 
@@ -494,7 +496,7 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
     check_tensor("x", x, shape=(None, D), dtypes=FLOAT_DTYPES, device=codebook.device)
     check_not_empty("codebook", codebook, -2, "code")
     check_precision(precision)
-    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    det = use_deterministic(deterministic)
     return _search_op(x, codebook, bool(cosine), precision, det)
 
 
@@ -502,7 +504,7 @@ def nearest_code(x: Tensor, codebook: Tensor, *, cosine: bool = False, precision
 
 
 def _quantize_fake(x, codes, codebook, beta):
-    acc = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    acc = acc_dtype(x, codebook)
     return x.new_empty(x.shape), x.new_empty((), dtype=acc)  # contiguous like the kernel's
 
 
@@ -566,8 +568,8 @@ class _Quantize(torch.autograd.Function):
     """Eager path of ``vq_quantize``: the same launchers without the custom-op autograd wrapper,
     whose host cost exceeded the two kernels' device time. Not the registry's eager path
     (``RegisteredOp.__call__``) either: that repeats ``plain_eager`` and picks the implementation
-    from ``device.type`` in the forward and again for the backward op: about 10 us more host time
-    per forward + backward, measured on CPU."""
+    in the forward and again for the backward op: about 10 us more host time per forward + backward,
+    measured on CPU (before the registry tested ``is_cpu`` in place of ``device.type``)."""
 
     @staticmethod
     def forward(ctx, x, codes, codebook, beta):

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import acc_dtype
+
 #: Constants of the restart-row permutation (each < 2^31, so every product fits in int64).
 HASH_MUL1 = 0x2C1B3C6D
 HASH_MUL2 = 0x297A2D39
@@ -199,7 +201,7 @@ def ema_accumulate(x, codes, num_codes: int):
     """Batch statistics: (n [L, K], s [L, K, D]) in float32 (float64 for float64 x). A code outside
     [0, K) adds NaN to the count and sums of the nearest valid code, as in the kernels."""
     L, B, D = x.shape
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dt = acc_dtype(x)
     n = torch.zeros(L, num_codes, dtype=dt, device=x.device)
     s = torch.zeros(L, num_codes, D, dtype=dt, device=x.device)
     ok = (codes >= 0) & (codes < num_codes)
@@ -263,7 +265,7 @@ def nearest_code(x, codebook, cosine=False):
     every number (``torch.argmin``'s order) and gives a NaN distance: a row of x holding a NaN gets
     code 0, and a codebook row holding a NaN is the code of every row of x (the lowest such row).
     """
-    dt = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    dt = acc_dtype(x, codebook)
     xf, cf = x.to(dt), codebook.to(dt)
     if cosine:
         cn = cf / cf.norm(dim=1, keepdim=True).clamp_min(1e-12)
@@ -314,7 +316,7 @@ def quantize(x, codes, codebook, beta):
 def quantize_fwd(x, codes, codebook, beta):
     """(out = codebook[codes] in x's dtype, loss of that rounded out in float32, float64 if either
     input is float64)."""
-    dt = torch.float64 if torch.float64 in (x.dtype, codebook.dtype) else torch.float32
+    dt = acc_dtype(x, codebook)
     ok = (codes >= 0) & (codes < codebook.shape[0])  # as in the kernel: a bad code's row is NaN
     q = torch.where(ok[:, None], codebook[torch.where(ok, codes, 0)], float("nan")).to(x.dtype)
     loss = (x.to(dt) - q.to(dt)).square().sum() * (beta / max(x.numel(), 1))
@@ -322,6 +324,6 @@ def quantize_fwd(x, codes, codebook, beta):
 
 
 def quantize_bwd(grad_out, grad_loss, x, q, beta):
-    dt = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
+    dt = acc_dtype(x, q)
     g = (x.to(dt) - q.to(dt)) * (grad_loss.to(dt) * (2.0 * beta / max(x.numel(), 1))) + grad_out.to(dt)
     return g.to(x.dtype)
