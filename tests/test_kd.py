@@ -899,6 +899,65 @@ def test_out_of_range_id_without_checks_kernels_match_reference(normalize):
     assert [bool(torch.isfinite(x).all()) for x in (gw, gb)] == [normalize == "topk"] * 2
 
 
+def _kernels_and_reference(d, code, T=1.0):
+    """(logits forms, hidden forms) from the kernels' and the references' forward and backward."""
+    from sparsefuse.kd import kernels
+
+    one = torch.ones((), dtype=d["z"].dtype, device=DEVICE)
+    logits, hidden = [], []
+    for fwd, bwd, hid in ((kernels.logits_fwd, kernels.logits_bwd, kernels.hidden_fwd),
+                          (ref.kd_logits_fwd, ref.kd_logits_bwd, ref.kd_hidden_fwd)):
+        loss, tok, scale, lse, A, corr = fwd(d["z"], d["ids"], d["t"], d["m"], code, T, 1, None, 1.0)
+        logits.append((loss, tok, bwd(one, None, d["z"], d["ids"], d["m"], lse, A, corr, scale, code, T)))
+        hidden.append(hid(d["h"], d["w"], d["b"], d["ids"], d["t"], d["m"], d["labels"], code, T, 1, None, 1.0,
+                          0.5, True, True, True, 0))
+    return logits, hidden
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("normalize", NORMS)
+def test_non_finite_logit_off_the_slots_is_not_lost(normalize, bad):
+    """A NaN or +inf student logit in a column that is not one of the token's slots left the sweep's
+    running sum NaN, which the logsumexp read as "no column" (-inf): "full" gave a loss of -inf, and
+    "tail" a finite loss with the bad logit gone from it. Now the token's logsumexp is NaN (+inf for
+    +inf), as in the references: "full" +inf or NaN, "tail" NaN, "topk" (which never reads the
+    column) unchanged. The same column of the LM head holding a NaN does it for every token."""
+    d = make(5, 3, 37, dtype=torch.float64, dup=normalize != "tail")
+    code = ref.NORMALIZE[normalize]
+    col = next(c for c in range(37) if c not in d["ids"][3].tolist())
+    d["z"] = d["z"].clone()
+    d["z"][3, col] = float(bad)
+    d["w"] = d["w"].clone()
+    d["w"][col, 0] = float(bad)
+    logits, hidden = _kernels_and_reference(d, code)
+    tok = logits[0][1]
+    if normalize == "topk":
+        assert torch.isfinite(tok).all()
+    elif normalize == "full" and bad == "inf":
+        assert tok[3] == math.inf
+    else:
+        assert torch.isnan(tok[3])
+    assert torch.isfinite(torch.cat([tok[:3], tok[4:]])).all()
+    for a, b in zip(logits[0] + hidden[0], logits[1] + hidden[1]):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
+
+
+def test_topk_teacher_probability_overflow_keeps_off_slot_gradient_zero():
+    """normalize="topk": a teacher log-prob of 100 overflows exp in float32, and A = P * 0 was NaN,
+    which the backward spread over the token's whole logits row; "topk" passes no gradient off the
+    slots, and the reference keeps those columns 0."""
+    d = make(5, 3, 37, dtype=torch.float32)
+    d["t"] = d["t"].clone()
+    d["t"][2, 0] = 100.0
+    d["m"] = torch.ones_like(d["m"])
+    logits, _ = _kernels_and_reference(d, ref.NORMALIZE["topk"])
+    g = logits[0][2]
+    off = torch.ones(37, dtype=torch.bool, device=DEVICE)
+    off[d["ids"][2]] = False
+    assert torch.equal(g[2][off], torch.zeros_like(g[2][off]))
+    torch.testing.assert_close(g, logits[1][2].to(g.dtype), equal_nan=True)
+
+
 @pytest.mark.parametrize("normalize", NORMS)
 def test_out_of_range_label_without_checks_poisons_the_token(normalize):
     """Index checks off (the CUDA default): a label outside [0, V) that is not -100 (padding with -1,

@@ -864,6 +864,24 @@ def test_bad_input_decode():
             sparsefuse.sae_decode(idx, vals, weight, bias)
 
 
+@pytest.mark.parametrize("D", [5, 16])
+def test_topk_loss_with_an_infinite_value_matches_the_reference(D):
+    """An infinite vals entry: the TopK forward's columns past D (a tile of 16 at D = 5) held 0 * inf =
+    NaN, which entered the loss and the other latents' gv, so the loss read NaN where the formula
+    (and the reference) gives inf. The padded columns are now left out of both sums."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([[0, 2, 1], [2, 3, 0]], device=DEVICE)
+    weight = torch.randn(4, D, generator=g).to(DEVICE)
+    vals = (torch.rand(2, 3, generator=g) + 0.5).to(DEVICE)
+    vals[1, 2] = float("inf")
+    target = torch.randn(2, D, generator=g).to(DEVICE)
+    got = value_and_grads(sparsefuse.topk_sae_loss, idx, weight, vals, None, target)
+    want = value_and_grads(ref.topk_sae_loss, idx, weight, vals, None, target)
+    assert got[0] == float("inf")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
 @pytest.mark.parametrize("bad", ["huge", "F"])
 @pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])
 def test_unchecked_out_of_range_indices_poison_with_nan(op, bad):

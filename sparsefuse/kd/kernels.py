@@ -63,14 +63,22 @@ CHUNK_BYTES = 256 * 2**20
 IGNORE = tl.constexpr(IGNORE_INDEX)
 
 
-
-
 @triton.jit
 def _lse_step(b_m, b_l, b_x):
     """One tile of an online logsumexp: running max b_m and sum b_l of exp(x - b_m); -inf safe."""
     b_new = tl.maximum(b_m, tl.max(b_x, 0))
     b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
     return b_new, b_l * tl.exp(b_m - b_ref) + tl.sum(tl.exp(b_x - b_ref), 0)
+
+
+@triton.jit
+def _lse_finish(b_m, b_l):
+    """The logsumexp from ``_lse_step``'s running max and sum: -inf when every column is -inf (or
+    there is none), +inf when one is +inf, NaN when one is NaN. (Both of the last two leave b_l
+    NaN; "b_l > 0 or -inf" had turned them into -inf, a finite "tail" loss.)"""
+    b_lse = b_m + tl.log(tl.where(b_l > 0, b_l, 1.0))
+    b_lse = tl.where(b_l > 0, b_lse, tl.where(b_l == 0, float("-inf"), float("nan")))
+    return tl.where(b_m == float("inf"), float("inf"), b_lse)
 
 
 @triton.jit
@@ -100,7 +108,7 @@ def _kd_slot_terms(b_s, b_t, m_valid, b_lse, NORMALIZE: tl.constexpr, ACC: tl.co
         b_lse = b_hr + tl.log(tl.exp(b_lk - b_hr) + tl.exp(b_tail - b_hr))
     if NORMALIZE == 0:
         b_loss = b_cross + b_P * b_lse_k
-        b_A = b_P * 0.0
+        b_A = tl.zeros_like(b_P)  # not b_P * 0: a teacher p that overflows (inf) made it NaN
         b_corr = b_P[:, None] * b_e / b_se[:, None] - b_p
     else:
         b_loss = b_cross + b_P * b_lse
@@ -260,9 +268,9 @@ def _kd_row_fwd_kernel(
             if SEP_CE:
                 b_m1, b_l1 = _lse_step(b_m1, b_l1, b_z)
         if NORMALIZE > 0:  # ("tail" with every column a slot sums nothing: -inf)
-            b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+            b_lse = _lse_finish(b_m, b_l)
         if SEP_CE:
-            b_lse1 = b_m1 + tl.log(b_l1)
+            b_lse1 = _lse_finish(b_m1, b_l1)
     # the slots after the sweep: loaded before it, they cost "full" 4% on an H100
     o_k, m_k, b_ids, b_t, m_valid, m_bad = _load_slots(ids_ptr, t_ptr, m_ptr, i_n, K, V, ACC, BLOCK_K)
     if NORMALIZE == 2:

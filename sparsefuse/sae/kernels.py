@@ -204,6 +204,8 @@ def _sae_decode_fwd_kernel(
             b_r += tl.load(bias_ptr + o_d, mask=m_d, other=0).to(ACC)
         if IS_LOSS:
             b_r -= tl.load(tgt_ptr + i_b * D + o_d, mask=m_d, other=0).to(ACC)
+            # columns past D hold 0 * v: NaN for an infinite v, which must not reach the sums
+            b_r = tl.where(m_d, b_r, 0.0)
             b_loss += b_r * b_r
             b_gv += tl.sum(b_w * b_r[None, :], axis=1)
         tl.store(out_ptr + i_b * D + o_d, b_r.to(out_ptr.dtype.element_ty), mask=m_d)

@@ -179,7 +179,10 @@ def sparse_linear(x: Tensor, weight: Tensor, indices: Tensor, bias: Optional[Ten
     * ``grad_x_shift = -sum_b grad_x[b] = -(grad_bias @ weight)``: a matrix-vector product when x is
       frozen (the SAE's pre-encoder bias ``b_dec`` goes here; with 16-bit weights the product runs
       in their dtype, and in float64, over a float64 copy of the weight, when another input is
-      float64).
+      float64). On the kernel path that product reads every row of the weight, so an inf or NaN in
+      a row no entry selects makes the matching entries of ``grad_x_shift`` NaN (its sum is 0, and
+      0 * inf is NaN); with x requiring grad, and on the PyTorch reference path, only the selected
+      rows are read.
 
     ``x - x_shift`` is formed in ``promote_types(x.dtype, x_shift.dtype)``, as the dense
     ``F.linear(x - x_shift, ...)`` that chose the latents forms it, or in float64 when any input is
