@@ -77,8 +77,6 @@ def _flatten(module, x: Tensor) -> Tensor:
     return x.reshape(-1, module.dim)
 
 
-
-
 class VectorQuantizer(nn.Module):
     """Vector quantiser with an EMA codebook, trained by the fused sparsefuse kernels.
 
@@ -191,12 +189,16 @@ class VectorQuantizer(nn.Module):
         sel(self.embed_sum).copy_(c * n[:, None])
         sel(self.steps_since_active).zero_()
 
+    def _start_training_step(self, flat: Tensor) -> None:
+        """Refuse a rerun by activation checkpointing, then initialise from k-means once."""
+        _refuse_recompute(self)
+        if not self._initted:
+            self.kmeans_init_(flat)
+
     def forward(self, x: Tensor):
         flat = _flatten(self, x)
         if self.training:
-            _refuse_recompute(self)
-        if self.training and not self._initted:
-            self.kmeans_init_(flat)
+            self._start_training_step(flat)
         codes, _ = nearest_code(flat.detach(), self.codebook, cosine=self.cosine, precision=self.precision,
                                 deterministic=self.deterministic)
         out, loss = quantize(flat, codes, self.codebook, self.commitment_weight)
@@ -240,9 +242,7 @@ class ResidualVQ(VectorQuantizer):
     def forward(self, x: Tensor):
         flat = _flatten(self, x)
         if self.training:
-            _refuse_recompute(self)
-        if self.training and not self._initted:
-            self.kmeans_init_(flat)
+            self._start_training_step(flat)
         wide = acc_dtype(flat)  # the residuals in float32, float64 for float64 input (as VectorQuantizer)
         resid = flat.detach().to(wide)
         inputs, all_codes, total = [], [], torch.zeros_like(resid)
