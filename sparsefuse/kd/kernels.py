@@ -846,7 +846,7 @@ def hidden_fwd(hidden, weight, bias, ids, t, mask, labels, normalize, temperatur
             ok = (mask != 0) & (ids >= 0) & (ids < V)
             clean = torch.where(ok, ids, torch.zeros_like(ids)).reshape(-1).long()
             g_ok = torch.where(ok, g, torch.zeros_like(g)).reshape(-1)
-            gb = torch.zeros(V, device=dev, dtype=acc).index_add_(0, clean, g_ok).mul_(alpha).to(bias.dtype)
+            gb = gb_acc.index_add_(0, clean, g_ok).mul_(alpha).to(bias.dtype)
         else:
             gb = hidden.new_empty(0)
         return loss, tok, gh, gw, gb, applied
