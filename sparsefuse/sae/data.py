@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._validate import check_number
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_number
 
 
 def synthetic_dictionary(d_model: int, n_features: int, seed: int = 0) -> Tensor:
@@ -139,8 +139,7 @@ def check_activations(x: Tensor, name: str = "activations", d_model: Optional[in
                          f"{x.device}")
     if x.dim() != 2:
         raise ValueError(f"{name}: activations must have shape [N, D], got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                       torch.int8, torch.int16, torch.int32, torch.int64):  # float8 has no isfinite
+    if x.dtype not in FLOAT_DTYPES + (torch.int8, torch.int16) + INDEX_DTYPES:  # float8 has no isfinite
         raise ValueError(f"{name}: activations must be float16/bfloat16/float32/float64 or signed integers, got "
                          f"dtype {x.dtype}")
     if x.shape[0] < 1 or x.shape[1] < 1:
