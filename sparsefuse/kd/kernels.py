@@ -54,9 +54,10 @@ _WG_BLOCK_E = 16 if INTERPRET else 32
 WG_GPU_CONFIGS = [triton.Config(dict(BLOCK_H=h), num_warps=w, num_stages=s)
                   for h, w, s in ((128, 4, 2), (256, 8, 2), (64, 4, 3), (128, 4, 3))]
 _WG_CONFIGS = [triton.Config(dict(BLOCK_H=16), num_warps=1)] if INTERPRET else WG_GPU_CONFIGS
-_REDUCE_BLOCK = 64 if INTERPRET else 1024
+_REDUCE_BLOCK, _REDUCE_WARPS = (64 if INTERPRET else 1024), 4
+_MARK_WARPS = 1  # slot marking: one program per row, K ids
 _TOPK_WARPS = 4
-_SCALE_BLOCK = 1024 if INTERPRET else 8192
+_SCALE_BLOCK, _SCALE_WARPS = (1024 if INTERPRET else 8192), 4
 #: Upper bound on one chunk of logits in the from-hidden path: chunk rows = the largest power of two
 #: <= this / (V * itemsize): 128-256 MiB a chunk (less when all N rows fit, more when one row is larger).
 CHUNK_BYTES = 256 * 2**20
@@ -645,7 +646,7 @@ def reduce(tok, ce, flags, labels, reduction, num_items, num_items_value, ce_wei
     args = (tok, ce, flags, labels, num_items, loss, scale, flags.shape[0], float(num_items_value), float(ce_weight))
     meta = dict(REDUCTION=reduction, HAS_TOK=tok is not None, HAS_CE=labels is not None,
                 HAS_ITEMS=num_items is not None, ACC=tl_dtype(acc), BLOCK=_REDUCE_BLOCK)
-    launch(_kd_reduce_kernel, (1,), args, meta, 4)
+    launch(_kd_reduce_kernel, (1,), args, meta, _REDUCE_WARPS)
     return loss, scale
 
 
@@ -701,7 +702,7 @@ def _row_fwd(z, ids, t, mask_u8, labels, normalize, temperature, acc, outs):
     if normalize == 2:
         bits = bits[:n].zero_()
         launch(_kd_mark_slots_kernel, (n,), (ids, t, mask_u8, bits, K, V, bits.stride(0)),
-               dict(ACC=tl_dtype(acc), BLOCK_K=next_pow2(K)), 1)
+               dict(ACC=tl_dtype(acc), BLOCK_K=next_pow2(K)), _MARK_WARPS)
     launch(_kd_row_fwd_kernel, (n,),
            (z, ids, t, mask_u8, labels, tok, flags, lse, A, corr, ce, lse1, bits, V, K, z.stride(0),
             0 if bits is None else bits.stride(0), 1.0 / temperature, float(temperature)),
@@ -897,7 +898,7 @@ def rescale_(x: torch.Tensor, g: torch.Tensor, applied: torch.Tensor) -> None:
     n = x.numel()
     if n:
         launch(_kd_rescale_kernel, (cdiv(n, _SCALE_BLOCK),), (x, g, applied, n),
-               dict(ACC=tl_dtype(x.dtype), BLOCK=_SCALE_BLOCK), 4)
+               dict(ACC=tl_dtype(x.dtype), BLOCK=_SCALE_BLOCK), _SCALE_WARPS)
 
 
 def hidden_bwd(grad_loss, gh, gw, gb, applied):

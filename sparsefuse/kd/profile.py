@@ -112,7 +112,6 @@ def gathered_overhead(N, K, iters=300, dev="cuda"):
     ids, t, m = make_targets_small(N, K, dev)
     z = torch.randn(N, K, device=dev).to(torch.bfloat16).requires_grad_()
     zd = z.detach()
-    scale = torch.tensor([1.0 / N, 0.0], device=dev)
     one = torch.ones((), device=dev)
     m8 = kernels._u8(m)
     acc = torch.float32

@@ -58,6 +58,10 @@ _ROW_DOT_WARPS = 2
 _MAX_BLOCK_K = 512
 _DECODE_TILE_MAX_K = 2048
 _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
+# Elementwise passes: one row of D per program (unit rows), a flat block per program (the rest).
+_UNIT_ROWS_MAX_D, _UNIT_ROWS_WARPS = 1024, 4
+_FINISH_BLOCK, _FINISH_WARPS = 1024, 4
+_SCALE_CAST_BLOCK, _SCALE_CAST_WARPS = (1024 if INTERPRET else 4096), 8
 
 
 def _gather_config(K: int, D: int, itemsize: int) -> dict:
@@ -791,7 +795,7 @@ def unit_rows_(weight, grad, eps):
     g = weight if grad is None else grad
     _launch(_unit_rows_kernel, (F,), weight, g, D, *_weight_strides(weight), *_weight_strides(g), float(eps),
             PROJECT=grad is not None, ACC=tl_dtype(acc_dtype(weight, grad)),
-            BLOCK_D=min(next_pow2(D), 1024), num_warps=4)
+            BLOCK_D=min(next_pow2(D), _UNIT_ROWS_MAX_D), num_warps=_UNIT_ROWS_WARPS)
 
 
 def decode_bwd(grad, indices, vals, weight, need_weight_grad):
@@ -853,9 +857,6 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     return row_loss.sum(), resid, gv
 
 
-_FINISH_BLOCK = 1024
-
-
 def _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype):
     """(grad_vals [B, K] in ``vals_dtype``, grad_bias [D] in ``bias_dtype``) = gc * (sum of gv's parts,
     colsum), in one ``_grads_finish_kernel`` launch (gv is [P, B, K] ACC, colsum [D] ACC)."""
@@ -867,7 +868,7 @@ def _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype):
     grid = n_vals + cdiv(D, _FINISH_BLOCK)
     if grid:
         _launch(_grads_finish_kernel, (grid,), gv, grad_vals, colsum, grad_bias, gc, P, B * K, D, n_vals,
-                ACC=tl_dtype(colsum.dtype), BLOCK=_FINISH_BLOCK, num_warps=4)
+                ACC=tl_dtype(colsum.dtype), BLOCK=_FINISH_BLOCK, num_warps=_FINISH_WARPS)
     return grad_vals, grad_bias
 
 
@@ -1019,10 +1020,10 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:  # scale and convert in one pass (torch.mul with a bf16 out= was 0.25 ms slower)
         grad_weight = torch.empty(stage.shape, device=etot.device, dtype=weight_dtype)
-        n, block = stage.numel(), 1024 if INTERPRET else 4096
+        n = stage.numel()
         if n:
-            _launch(_scale_cast_kernel, (cdiv(n, block),), stage, grad_weight, gc, n,
-                    ACC=tl_dtype(etot.dtype), BLOCK=block, num_warps=8)
+            _launch(_scale_cast_kernel, (cdiv(n, _SCALE_CAST_BLOCK),), stage, grad_weight, gc, n,
+                    ACC=tl_dtype(etot.dtype), BLOCK=_SCALE_CAST_BLOCK, num_warps=_SCALE_CAST_WARPS)
     else:
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
     grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype)  # behind the long launch

@@ -59,9 +59,13 @@ _LEVEL_MUL = tl.constexpr(reference.LEVEL_MUL)
 # Launch heuristics, in one place.
 _ACC_BLOCK_B, _ACC_WARPS = (16, 4) if INTERPRET else (32, 4)
 _SEG_BLOCK_D = 64 if INTERPRET else 256
+_SEG_WARPS = 2
 _APPLY_WARPS = 4
 _SCAN_BLOCK = 256 if INTERPRET else 1024
 _NORM_BLOCK = 64 if INTERPRET else 128
+_NORM_BLOCK_D, _NORM_WARPS = 64, 4
+_Q_BLOCK_B, _Q_BLOCK_D = (16, 32) if INTERPRET else (16, 128)
+_Q_WARPS = 4
 _OFF64_FROM = 2**31  # the search's codebook offsets go int64 from K * stride = this (a test lowers it)
 _WORLD_BLOCK = 64  # ranks per step of the apply kernel's sum over every rank's rows
 
@@ -550,7 +554,7 @@ def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=
         part, _ = chunk_partials(sorted_codes, order, None, x, 1, chunk, torch.float32, block_d, False)
         launch(_vq_ema_segment_kernel, (K, L),
                (x, order, seg, part, stats, cluster_size, counters, B, K, D, part.shape[1]),
-               dict(HAS_COUNTERS=counters is not None, BLOCK_D=block_d, CHUNK=chunk, E=GATHER_STEP), 2)
+               dict(HAS_COUNTERS=counters is not None, BLOCK_D=block_d, CHUNK=chunk, E=GATHER_STEP), _SEG_WARPS)
         return stats
     if workspace is None:
         stats, parity = torch.zeros(stats_layout(L, K, D)[3], device=x.device, dtype=torch.float32), 0
@@ -740,7 +744,7 @@ def nearest_code(x, codebook, cosine, precision, deterministic=False):
         return codes, dist
     cc = torch.empty(K, device=dev, dtype=torch.float32)
     launch(_row_sqnorm_kernel, (cdiv(K, _NORM_BLOCK),), (codebook, cc, K, D, codebook.stride(0)),
-           dict(BLOCK_K=_NORM_BLOCK, BLOCK_D=_block_d(D, 64)), 4)
+           dict(BLOCK_K=_NORM_BLOCK, BLOCK_D=_block_d(D, _NORM_BLOCK_D)), _NORM_WARPS)
     dot_dtype = torch.promote_types(x.dtype, codebook.dtype)
     if dot_dtype == torch.float32:
         prec = {"exact": "tf32x3", "ieee": "ieee", "fast": "tf32"}[precision]
@@ -812,7 +816,6 @@ def _vq_quantize_kernel(
         tl.store(loss_ptr + o_b, b_loss, mask=m_b)
 
 
-_Q_BLOCK_B, _Q_BLOCK_D = (16, 32) if INTERPRET else (16, 128)
 
 
 
@@ -829,7 +832,7 @@ def quantize_fwd(x, codes, codebook, beta):
     if B and D:
         launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
                (x.contiguous(), codes.contiguous(), codebook.contiguous(), out, rows, None, None, None, B, K, D, 1.0),
-               dict(FWD=True, ACC=tl_dtype(acc), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+               dict(FWD=True, ACC=tl_dtype(acc), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), _Q_WARPS)
     else:
         out.zero_()
         rows.zero_()
@@ -849,7 +852,7 @@ def quantize_bwd(grad_out, grad_loss, x, q, beta):
         launch(_vq_quantize_kernel, (cdiv(B, _Q_BLOCK_B),),
                (x.contiguous(), None, None, q.contiguous(), None, grad_out.contiguous(), grad_loss.contiguous(), gx,
                 B, 0, D, scale),
-               dict(FWD=False, ACC=tl_dtype(acc_dtype(x, q)), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), 4)
+               dict(FWD=False, ACC=tl_dtype(acc_dtype(x, q)), BLOCK_B=_Q_BLOCK_B, BLOCK_D=_block_d(D, _Q_BLOCK_D)), _Q_WARPS)
     else:
         gx.zero_()
     return gx
