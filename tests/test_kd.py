@@ -417,6 +417,22 @@ def test_reductions():
         assert_close(got, s / 7, torch.float64, "num_items")
 
 
+def test_float64_num_items_in_batch_is_not_rounded_to_float32():
+    """A number num_items_in_batch reaches the reduction kernel as float64 for float64 inputs: as a plain
+    float argument a compiled kernel takes it as fp32, and 1.1 rounded so is 2e-8 off, past float64's
+    tolerance (the GPU tier sees that; the interpreter passes Python floats unrounded). Every form,
+    against the float64 sum divided on the host."""
+    d = make(5, 3, 37, dtype=torch.float64, dup=False)
+    zk = d["z"][:, :3]
+    forms = (lambda **kw: sparsefuse.topk_kd_loss(zk, d["t"], d["m"], **kw),
+             lambda **kw: sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], **kw),
+             lambda **kw: sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"], **kw),
+             lambda **kw: sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"],
+                                                              normalize="tail", **kw))
+    for i, form in enumerate(forms):
+        assert_close(form(num_items_in_batch=1.1), form(reduction="sum") / 1.1, torch.float64, f"form {i}")
+
+
 def test_per_token_output_is_differentiable():
     d = make(5, 3, 37, dtype=torch.float64, dup=False)
     z = leaf(d["z"])
@@ -1029,6 +1045,43 @@ def test_tail_repeated_id_without_checks_poisons_the_token(T):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
 
 
+def test_tail_with_no_student_mass_off_the_slots():
+    """"tail" where every column off a token's slots holds a -inf logit (here a -inf LM-head bias: a
+    vocabulary masked down to the teacher's ids), so lse_tail is -inf: 1 - Q is taken as the smallest
+    normal number, and the tail term passes no gradient. The loss is then "full"'s plus
+    (1 - P) (log(1 - P) - log tiny) and the gradient is "full"'s (P q_k - p_k at the slots, 0 at the -inf
+    columns), against float64 autograd of the "full" reference; kernels and the ops' PyTorch
+    implementations agree on every output. The backward divides the off-slot columns by lse_V here: by
+    lse_tail = -inf, every -inf column's gradient would be NaN (-inf - -inf), and with the guard on
+    1 - P gone the slot columns would carry (1 - P) q_k more."""
+    N, K, V, H = 4, 3, 8, 5
+    g = torch.Generator().manual_seed(0)
+    cols = torch.tensor([1, 4, 6])
+    ids = torch.stack([cols[torch.randperm(K, generator=g)] for _ in range(N)])
+    t = torch.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1) + math.log(0.9)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    b = torch.full((V,), -math.inf, dtype=torch.float64)
+    b[cols] = torch.randn(K, generator=g, dtype=torch.float64)
+    z = h @ w.t() + b
+    d = dict(ids=ids, t=t, m=torch.ones(N, K, dtype=torch.bool), z=z, h=h, w=w, b=b, labels=ids[:, 0].clone())
+    d = {k: v.to(DEVICE) for k, v in d.items()}
+    logits, hidden = _kernels_and_reference(d, ref.NORMALIZE["tail"])
+    for a, b_ in zip(logits[0] + hidden[0], logits[1] + hidden[1]):
+        torch.testing.assert_close(a, b_.to(a.dtype), rtol=1e-9, atol=1e-12, equal_nan=True)
+    zf = leaf(d["z"])
+    full = ref.topk_kd_loss_from_logits(zf, d["ids"], d["t"], normalize="full", reduction="sum")[1]
+    (want_g,) = torch.autograd.grad(full.sum(), [zf])
+    om_p = 1 - d["t"].exp().sum(-1)
+    want_tok = full.detach() + om_p * (om_p.log() - math.log(torch.finfo(torch.float64).tiny))
+    x = leaf(d["z"])
+    loss, tok = sparsefuse.topk_kd_loss_from_logits(x, d["ids"], d["t"], normalize="tail", reduction="sum",
+                                                    return_per_token=True)
+    (got_g,) = torch.autograd.grad(loss, [x])
+    assert_close(tok, want_tok, torch.float64, "per-token loss")
+    assert_close(got_g, want_g, torch.float64, "gradient")
+
+
 def test_reference_topk_gradient_with_large_logits():
     """reference.kd_logits_bwd (the CPU implementation without the interpreter) gets lse = 0 for "topk";
     its dense term 0 * exp(z) overflowed float32 past z = 88 and made the row NaN."""
@@ -1139,6 +1192,22 @@ def test_module_refuses_options_of_the_hidden_form():
         sparsefuse.TopKKDLoss()(*args, lm_head_bias=d["b"])
     with pytest.raises(ValueError, match="TopKKDLoss: labels is used by the hidden-state form only"):
         sparsefuse.TopKKDLoss(normalize="topk")(d["z"][:, :3], d["t"], d["m"], labels=d["labels"])
+
+
+def test_module_with_ce_weight_zero_takes_every_form():
+    """TopKKDLoss(ce_weight=0) keeps the cross-entropy term off (a schedule that starts it later) and is
+    not an option of the hidden form only: the gathered and logits forms take it as without ce_weight."""
+    d = make(5, 3, 37, dtype=torch.float32, dup=False)
+    zk = d["z"][:, :3]
+    for ce_weight in (0, 0.0):
+        crit = sparsefuse.TopKKDLoss(normalize="tail", ce_weight=ce_weight)
+        assert torch.equal(crit(d["z"], d["ids"], d["t"], d["m"]),
+                           sparsefuse.topk_kd_loss_from_logits(d["z"], d["ids"], d["t"], d["m"], normalize="tail"))
+        assert torch.equal(crit(d["h"], d["ids"], d["t"], d["m"], lm_head_weight=d["w"], labels=d["labels"]),
+                           sparsefuse.topk_kd_loss_from_hidden(d["h"], d["w"], d["ids"], d["t"], d["m"],
+                                                               normalize="tail"))
+        crit = sparsefuse.TopKKDLoss(normalize="topk", ce_weight=ce_weight)
+        assert torch.equal(crit(zk, d["t"], d["m"]), sparsefuse.topk_kd_loss(zk, d["t"], d["m"]))
 
 
 def test_trainable_teacher_logprobs_are_refused():

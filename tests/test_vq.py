@@ -262,6 +262,21 @@ def test_batch_statistics():
     want_n, want_s = reference.ema_accumulate(x[None].double(), codes[None], 6)
     assert_close(n, want_n[0], torch.float32, "n")
     assert_close(s, want_s[0], torch.float32, "s")
+    # one code (a k-means of one cluster): every row counts towards it
+    n, s = batch_statistics(x, torch.zeros_like(codes), 1)
+    assert_close(n, torch.full((1,), 31.0, device=DEVICE), torch.float32, "n of one code")
+    assert_close(s, x.double().sum(0, keepdim=True), torch.float32, "s of one code")
+
+
+def test_reference_statistics_of_float64_x_are_float64():
+    """reference.ema_accumulate, the float64 oracle of the update tests (and the CPU path's statistics),
+    sums float64 x in float64: here 1e8 + 1 - 1e8 is 1, where a float32 sum gives 0."""
+    x = torch.tensor([[[1e8], [1.0], [-1e8], [2.0]]], dtype=torch.float64, device=DEVICE)
+    codes = torch.tensor([[0, 0, 0, 1]], device=DEVICE)
+    n, s = reference.ema_accumulate(x, codes, 3)
+    assert n.dtype == s.dtype == torch.float64
+    assert torch.equal(s, torch.tensor([[[1.0], [2.0], [0.0]]], dtype=torch.float64, device=DEVICE))
+    assert torch.equal(n, torch.tensor([[3.0, 1.0, 0.0]], dtype=torch.float64, device=DEVICE))
 
 
 def test_batch_statistics_bad_inputs():
@@ -440,7 +455,7 @@ def test_ema_update_bad_inputs():
         vq_ema_update(x, codes, *state[:3], semantics="active", restart_after_steps=2)
     with pytest.raises(ValueError, match="must be contiguous"):
         vq_ema_update(x, codes, state[0].T.contiguous().T, *state[1:])
-    for decay in (1.5, -0.1):
+    for decay in (1.5, -0.1, True):  # (a bool is no decay)
         with pytest.raises(ValueError, match=re.escape(f"decay must lie in [0, 1], got {decay}")):
             vq_ema_update(x, codes, *state, decay=decay)
     with pytest.raises(ValueError, match=re.escape("restart_after_steps must be below 2^24, got 16777216")):
@@ -525,6 +540,18 @@ def test_ema_update_refuses_state_that_requires_grad(which):
     vq_ema_update(x, codes, *want, semantics="active", restart_after_steps=2,
                   generator=torch.Generator(device=DEVICE).manual_seed(1))
     assert_state(got, want)
+
+
+def test_ema_update_refuses_vmap():
+    """The update rewrites shared state in place, which has no per-sample meaning: under torch.vmap it
+    raises NotImplementedError naming the transforms (it failed deep in the dispatcher: "Batching rule
+    not implemented for sparsefuse::vq_ema_apply"), and the state is untouched."""
+    x, codes, *state = make(8, 5, 4)
+    before = [t.clone() for t in state]
+    with pytest.raises(NotImplementedError, match=r"does not run under functorch transforms .*vmap"):
+        torch.vmap(lambda xx: vq_ema_update(xx, codes, *state, threshold=1.0))(torch.stack([x, x]))
+    for a, b in zip(state, before):
+        assert torch.equal(a, b)
 
 
 def test_ema_update_generator_device_checked():
@@ -918,6 +945,9 @@ def test_nearest_code_float64_and_mixed():
     assert_search(x, c, codes, dist, tol=1e-12)
     codes, dist = nearest_code(x.double(), c)
     assert_search(x, c, codes, dist, tol=1e-12)
+    codes, dist = nearest_code(x, c.double())  # a float64 codebook makes it float64 too
+    assert dist.dtype == torch.float64
+    assert_search(x, c, codes, dist, tol=1e-12)
 
 
 @pytest.mark.parametrize("how", ["argument", "torch-flag", "module"])
@@ -1152,6 +1182,24 @@ def test_quantize_loss_is_that_of_the_rounded_out():
 # --- modules ---------------------------------------------------------------------------------------------
 
 
+def test_quantize_cpu_implementation_matches_the_kernels_in_float64():
+    """The ops' PyTorch implementation of quantize (CPU tensors without the interpreter) computes the
+    loss and the gradient in float64 for float64 inputs, as the kernels do; the subprocess test of that
+    path checks float32 only."""
+    from sparsefuse.vq import kernels
+
+    x, codes, c, *_ = make(13, 5, 7, dtype=torch.float64)
+    c = c.double()
+    gout = torch.randn(13, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    gl = torch.tensor(1.3, dtype=torch.float64, device=DEVICE)
+    got, want = kernels.quantize_fwd(x, codes, c, 0.3), reference.quantize_fwd(x, codes, c, 0.3)
+    assert want[1].dtype == torch.float64
+    for a, b, name in zip(got, want, ("out", "loss")):
+        assert_close(a, b, torch.float64, name)
+    assert_close(reference.quantize_bwd(gout, gl, x, got[0], 0.3), kernels.quantize_bwd(gout, gl, x, got[0], 0.3),
+                 torch.float64, "grad_x")
+
+
 def test_vector_quantizer_step():
     torch.manual_seed(0)
     vq = VectorQuantizer(6, 10, decay=0.9, threshold=0.5,
@@ -1235,6 +1283,19 @@ def test_kmeans_init_keeps_an_empty_cluster_consistent():
     assert torch.equal(vq.codebook[2], vq.codebook[0]) and vq.codebook[2].abs().min() > 0
 
 
+def test_kmeans_init_with_zero_iterations_seeds_from_rows():
+    """kmeans_iters=0 is allowed (no Lloyd iteration): the codebook starts from distinct rows of the
+    first training batch."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    for m in (VectorQuantizer(4, 6, kmeans_init=True, kmeans_iters=0),
+              ResidualVQ(1, 4, 6, kmeans_init=True, kmeans_iters=0)):
+        m.to(DEVICE).kmeans_init_(x)
+        rows = m.codebook.reshape(6, 4)
+        assert bool(m.initted)
+        assert ((rows[:, None, :] == x[None]).all(-1).sum(1) == 1).all()  # every code is one row of x
+        assert len({tuple(r.tolist()) for r in rows}) == 6  # distinct rows (B >= K)
+
+
 @pytest.mark.parametrize("levels", [None, 2], ids=["vq", "rvq"])
 def test_module_rejects_a_wrong_last_dim_before_updating(levels):
     """x [3, 8] for dim 4 reshaped to [6, 4] and the codebook was updated before the output's view
@@ -1307,7 +1368,9 @@ def test_module_refuses_bad_options_when_built(levels):
                     (dict(commitment_weight=float("nan")), "commitment_weight must be a non-negative finite number"),
                     (dict(commitment_weight=-1.0), "commitment_weight must be a non-negative finite number"),
                     (dict(kmeans_iters=-3), "kmeans_iters must be a non-negative int (0: the seeding rows only)"),
-                    (dict(kmeans_iters=2.5), "kmeans_iters must be a non-negative int")):
+                    (dict(kmeans_iters=2.5), "kmeans_iters must be a non-negative int"),
+                    (dict(kmeans_iters=True),
+                     "kmeans_iters must be a non-negative int (0: the seeding rows only), got True")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             build(4, 8, **kw)
     with pytest.raises(TypeError, match="decay must be a Python number, not a tensor"):
@@ -1381,6 +1444,25 @@ def test_kmeans_init_passes_deterministic(monkeypatch):
         seen.clear()
         m.to(DEVICE)(torch.randn(24, 4, device=DEVICE))
         assert seen == [True] * calls
+
+
+def test_deterministic_modules_search_without_the_autotuner(monkeypatch):
+    """deterministic=True reaches every nearest-code search of the modules, not only the training
+    forward's: the k-means initialisation's and each ResidualVQ level's (they took the autotuner's pick,
+    whose dot-product order can differ from process to process)."""
+    from sparsefuse.vq import kernels
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("the autotuner ran in deterministic mode")
+
+    monkeypatch.setattr(kernels, "launch_tuned", no_tuning)
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    for m in (VectorQuantizer(4, 6, kmeans_init=True, kmeans_iters=1, deterministic=True),
+              ResidualVQ(2, 4, 6, kmeans_init=True, kmeans_iters=1, deterministic=True)):
+        m.to(DEVICE)(x)  # k-means, then a training step
+        m.eval()(x)
+    with pytest.raises(AssertionError, match="the autotuner ran"):
+        ResidualVQ(2, 4, 6).to(DEVICE).eval()(x)
 
 
 def test_module_state_stays_float32_under_half():
@@ -1479,6 +1561,30 @@ def test_residual_vq_kmeans_init_fits_each_level_on_the_residual():
         assert_close(rvq.cluster_size[level], n, torch.float32, f"cluster_size[{level}]")
         assert_close(rvq.embed_sum[level], c * n[:, None], torch.float32, f"embed_sum[{level}]")
     assert bool(rvq.initted)
+
+
+def test_residual_vq_kmeans_init_keeps_float64_residuals():
+    """float64 x: the k-means initialisation searches and takes residuals in float64, as the forward
+    does. Here the points sit 1e5 from the origin, where float32 steps by 0.008, and spread 0.01 around
+    their centres: x and its residuals taken in float32 were rounded to that step, which moved the
+    centroids of both levels."""
+    from sparsefuse.vq.modules import _kmeans
+
+    g = torch.Generator().manual_seed(0)
+    x = 1e5 + 10 * torch.randn(4, 3, generator=g, dtype=torch.float64)[torch.arange(40) % 4]
+    x = (x + 0.01 * torch.randn(40, 3, generator=g, dtype=torch.float64)).to(DEVICE)
+    rvq = ResidualVQ(2, 3, 4, kmeans_init=True, kmeans_iters=3, deterministic=True,
+                     generator=torch.Generator(device=DEVICE).manual_seed(5)).to(DEVICE)
+    rvq.kmeans_init_(x)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    r, want = x, []
+    for _ in range(2):
+        c, _ = _kmeans(r, 4, 3, cosine=False, precision="exact", generator=gen, process_group=None,
+                       deterministic=True)
+        want.append(c)
+        r = r - c[nearest_code(r, c)[0]]
+    for level, c in enumerate(want):
+        assert_close(rvq.codebook[level], c.float(), torch.float32, f"codebook[{level}]")
 
 
 def test_in_place_update_is_seen_by_autograd():
