@@ -930,6 +930,29 @@ def _kernels_and_reference(d, code, T=1.0):
     return logits, hidden
 
 
+@pytest.mark.parametrize("normalize", NORMS)
+def test_fully_masked_token_with_minus_inf_logits_gets_a_zero_gradient(normalize):
+    """A token with no unmasked slot contributes 0 and gets a zero gradient, also when its logits row
+    is all -inf (padding positions filled with -inf). The row kernel once multiplied its A = 0 by
+    exp(-inf - -inf) = NaN and wrote a NaN gradient row ("full" and "tail"), where the ops' PyTorch
+    implementation gave zeros; the other tokens are unaffected."""
+    d = make(5, 3, 37, dtype=torch.float64, dup=normalize != "tail")
+    assert not d["m"][1].any()  # make() masks token 1 whole
+    d["z"] = d["z"].clone()
+    d["z"][1] = -math.inf
+    logits, _ = _kernels_and_reference(d, ref.NORMALIZE[normalize])
+    loss, tok, g = logits[0]
+    assert tok[1] == 0 and torch.isfinite(loss)
+    assert torch.equal(g[1], torch.zeros_like(g[1]))
+    assert torch.isfinite(g).all()
+    for a, b in zip(logits[0], logits[1]):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-9, atol=1e-12)
+    z = d["z"].clone().requires_grad_()
+    (gz,) = torch.autograd.grad(
+        sparsefuse.topk_kd_loss_from_logits(z, d["ids"], d["t"], d["m"], normalize=normalize), [z])
+    torch.testing.assert_close(gz, g, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 @pytest.mark.parametrize("normalize", NORMS)
 def test_non_finite_logit_off_the_slots_is_not_lost(normalize, bad):

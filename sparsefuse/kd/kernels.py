@@ -357,7 +357,12 @@ def _kd_row_bwd_kernel(
     if HAS_GT:
         b_f += tl.load(gt_ptr + i_n).to(ACC)
     b_ckd = b_f * temperature
-    b_cA = b_ckd * tl.load(a_ptr + i_n)
+    b_a = tl.load(a_ptr + i_n)
+    b_cA = b_ckd * b_a
+    # A = 0 (a token with no unmasked slot): no dense term at all, as in reference.dense_grad.
+    # 0 * exp(x) is not enough: a padding row of -inf logits has lse = -inf, and x = -inf - -inf is
+    # NaN. A NaN A still makes the row NaN (NaN != 0).
+    m_dense = b_a != 0
     # "topk" has no dense term and A = 0, except NaN for a token with an out-of-range id (index
     # checks off): adding c * A to every element makes that token's whole row NaN, as in the other modes.
     b_nan = 0.0
@@ -387,7 +392,7 @@ def _kd_row_bwd_kernel(
     b_zk = tl.load(p_z + b_ids, mask=m_mine, other=0).to(ACC)
     b_vk = b_tot + b_nan
     if NORMALIZE == 1:
-        b_vk += b_cA * tl.exp(b_zk * inv_t - b_lse)
+        b_vk += tl.where(m_dense, b_cA * tl.exp(b_zk * inv_t - b_lse), 0.0)
     if NORMALIZE == 2:
         b_vk += b_cA * 0.0  # the NaN of a token with an out-of-range id
     if HAS_CE:
@@ -399,11 +404,11 @@ def _kd_row_bwd_kernel(
         m_lab_slot = m_on & (b_ids == i_lab)
         b_vl += tl.sum(tl.where(m_lab_slot, b_corr, 0.0), 0) * b_ckd
         if NORMALIZE == 1:
-            b_vl += b_cA * tl.exp(b_zl * inv_t - b_lse)
+            b_vl += tl.where(m_dense, b_cA * tl.exp(b_zl * inv_t - b_lse), 0.0)
         if NORMALIZE == 2:  # the dense term unless the label is a slot, whose value already has it
             b_xl = b_zl * inv_t - b_lse
             b_vl += tl.where(tl.sum(m_lab_slot.to(tl.int32), 0) > 0, b_cA * 0.0,
-                             b_cA * tl.exp(tl.where(b_xl > 0, 0.0, b_xl)))
+                             tl.where(m_dense, b_cA * tl.exp(tl.where(b_xl > 0, 0.0, b_xl)), 0.0))
     # In place (g_ptr == z_ptr), another warp's sweep may store over a slot or label column: every
     # warp's loads of those columns above must be done first.
     tl.debug_barrier()
@@ -417,7 +422,7 @@ def _kd_row_bwd_kernel(
                 b_x = b_z * inv_t - b_lse
                 if NORMALIZE == 2:  # <= 0 off the slots; the slot columns (overwritten below) must not overflow
                     b_x = tl.where(b_x > 0, 0.0, b_x)
-                b_g += b_cA * tl.exp(b_x)
+                b_g += tl.where(m_dense, b_cA * tl.exp(b_x), 0.0)
             if HAS_CE:
                 b_g += b_fc * tl.exp(b_z - b_lse1)
         tl.store(p_g + o_v, b_g.to(g_ptr.dtype.element_ty), mask=m_v)
