@@ -77,7 +77,6 @@ def test_gpu_cached_launch_calls_installed_hooks():
     assert seen == ["_axpb_kernel"]
 
 
-
 @pytest.mark.gpu
 def test_gpu_ops_run_on_the_device_of_their_tensors():
     """With device 0 current, ops on cuda:1 tensors run on cuda:1 and give, bit for bit, what they give
@@ -365,7 +364,6 @@ def test_segmented_sum_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "kernel variants for sm_90" in out.stdout and "FAILED" not in out.stderr
-
 
 
 # --- mutation audit: what else a cached kernel is compiled for, and launch hooks on the cached path
@@ -714,3 +712,35 @@ def test_activation_checkpointing_gives_the_same_gradients(op, reentrant):
     q = primal.clone().requires_grad_()
     checkpoint(lambda qq: fn(qq * 1.0), q, use_reentrant=reentrant).backward()
     torch.testing.assert_close(q.grad, p.grad)  # not bit-exact: the default hierarchical path uses atomics on a GPU
+
+
+# --- mutation audit (session 39): tensor subclasses, and a backward under the functorch vmap
+
+
+def test_tensor_subclass_goes_through_the_registered_op():
+    """A tensor subclass (here PyTorch's TwoTensor test wrapper, with its own __torch_dispatch__) is
+    not a plain tensor: the op is dispatched, so the subclass sees it and runs it on each of its
+    parts. Launched directly, the kernels would be handed a wrapper without storage of its own."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from sparsefuse import sae_decode
+
+    idx, vals, weight = _decode_inputs()
+    out = sae_decode(idx, TwoTensor(vals, 2 * vals), weight)
+    assert isinstance(out, TwoTensor)
+    want = torch.einsum("bk,bkd->bd", vals, weight[idx])
+    torch.testing.assert_close(out.a, want)
+    torch.testing.assert_close(out.b, 2 * want)
+
+
+@pytest.mark.parametrize("op", list(_reverse_cases()))
+def test_backward_under_functorch_vmap_is_refused(op):
+    """The per-sample-gradient pattern ``torch.vmap(lambda g: torch.autograd.grad(out, p, g))`` runs
+    the backward under functorch's vmap (batched incoming gradients that are not the legacy batched
+    tensors of is_grads_batched=True): refused with the same message, not a failure in the kernels."""
+    fn, primal = _reverse_cases()[op]
+    p = primal.clone().requires_grad_()
+    out = fn(p)
+    batch = torch.stack([torch.ones_like(out), 2 * torch.ones_like(out)])
+    with pytest.raises(NotImplementedError, match="sparsefuse ops have no batched backward"):
+        torch.vmap(lambda g: torch.autograd.grad(out, p, g, retain_graph=True)[0])(batch)

@@ -421,6 +421,47 @@ def test_rows_of_more_latents_than_a_tile(op, K, decode_tile, monkeypatch):
         assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
 
 
+@pytest.mark.parametrize("K", [3, 9])
+def test_float64_target_makes_the_arithmetic_float64_past_one_tile(K, monkeypatch):
+    """A float64 target makes the TopK loss's arithmetic float64 however many latents a row has: with
+    float32 weights and values (exact in float64) the loss and the target's gradient match the
+    float64 reference to float64's tolerance (the other gradients come back in float32), on the
+    one-tile path (K = 3) and past one tile (K = 9: the residual from blocks of latents, then the
+    row dot products)."""
+    from sparsefuse.sae import kernels
+
+    monkeypatch.setattr(kernels, "_MAX_BLOCK_K", 4)
+    monkeypatch.setattr(kernels, "_DECODE_TILE_MAX_K", 4)
+    idx, weight, vals, bias, target = make(3, K, 7, 33, torch.float32)
+    target = make(3, K, 7, 33, torch.float64, seed=1)[4]  # detail below float32's resolution
+    leaves = [t.clone().requires_grad_() for t in (weight, vals, bias, target)]
+    got = [sparsefuse.topk_sae_loss(idx, *leaves)]
+    got += torch.autograd.grad(got[0], leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    want = [ref.topk_sae_loss(idx, *ref_leaves)]
+    want += torch.autograd.grad(want[0], ref_leaves)
+    assert got[0].dtype == torch.float64
+    for name, a, b in zip(["loss", "grad_weight", "grad_vals", "grad_bias", "grad_target"], got, want):
+        assert_close(a, b, torch.float64 if name in ("loss", "grad_target") else torch.float32, name)
+
+
+@pytest.mark.parametrize("K", [3, 9])
+def test_row_dot_products_take_one_program_per_block_of_latents(K, monkeypatch):
+    """sparse_linear's forward and the decode's vals gradient run a program per (row, block of at most
+    _MAX_BLOCK_K latents): K = 9 with blocks of 4 is three programs a row, not one tile of 16 (at
+    K = 9000 on a GPU, one tile of 16384 latents)."""
+    from sparsefuse.sae import kernels
+
+    monkeypatch.setattr(kernels, "_MAX_BLOCK_K", 4)
+    launches = _spy_launches(monkeypatch)
+    idx, weight, vals, bias, _ = make(5, K, 40, 37, torch.float64)
+    sparsefuse.sparse_linear(weight[:5].clone(), weight, idx)
+    v = vals.clone().requires_grad_()
+    sparsefuse.sae_decode(idx, v, weight).sum().backward()
+    grids = [grid for fn, grid in launches if fn is kernels._sae_row_dot_kernel]
+    assert grids == [(5, -(-K // 4))] * 2
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 def test_weight_grad_feature_sums(weighted):
     """The segmented sum behind every weight gradient, with its per-feature sum of entry weights
@@ -729,12 +770,13 @@ def test_gradcheck_fp64(op):
     assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-7, nondet_tol=nondet_tol)
 
 
-@pytest.mark.parametrize("case", ["decode-promoted-dtype", "topk-gv-column-groups"])
+@pytest.mark.parametrize("case", ["decode-promoted-dtype", "topk-gv-column-groups", "topk-gv-column-groups-B0"])
 def test_opcheck_fakes_match_real_outputs(case):
     """The fake implementations must give the real outputs' shapes and dtypes where they depend on
     more than B, K and D: the decode's promoted dtype (float32 vals with a float64 decoder give a
     float64 result), and TopK's forward keeping one part of gv per column group (D = 300, K = 3:
-    three groups of 128 columns), which the shapes above (D <= 8) never reach."""
+    three groups of 128 columns), which the shapes above (D <= 8) never reach; an empty batch too,
+    whose zero outputs launch nothing but keep those shapes."""
     from sparsefuse.sae import kernels
 
     if case == "decode-promoted-dtype":
@@ -744,7 +786,7 @@ def test_opcheck_fakes_match_real_outputs(case):
         assert torch.ops.sparsefuse.sae_decode(*args).dtype == torch.float64
         torch.library.opcheck(torch.ops.sparsefuse.sae_decode.default, args)
     else:
-        idx, weight, vals, bias, target = make(2, 3, 4, 300, torch.float32)
+        idx, weight, vals, bias, target = make(0 if case.endswith("B0") else 2, 3, 4, 300, torch.float32)
         assert kernels.topk_gv_parts(3, 300, 4) == 3
         args = (idx, weight.requires_grad_(), vals.requires_grad_(), bias.requires_grad_(), target)
         torch.library.opcheck(torch.ops.sparsefuse.topk_sae_loss.default, args)
@@ -1016,6 +1058,34 @@ def test_cpu_reference_path_poisons_unchecked_bad_indices():
         "        gw, gv = torch.autograd.grad(out, [w, v] if name != 'linear' else [w, t])\n"
         "        assert torch.equal(gw[F - 1], torch.zeros(D, dtype=gw.dtype)), (name, bad, gw[F - 1])\n"
         "        assert torch.isnan(gv[1, 1] if name != 'linear' else gv[1]).all(), (name, bad)\n"
+        "print('ok')\n"
+    )
+    _run_without_interpreter(code)
+
+
+def test_cpu_reference_path_sparse_linear_bias_with_unchecked_bad_indices():
+    """Without TRITON_INTERPRET and with index checks off, sparse_linear's PyTorch implementation
+    treats a bad index in the per-feature bias as the kernels do: its output is NaN and its entry
+    adds nothing to the bias gradient. Plain indexing of the bias wrapped -1 onto feature F - 1 (a
+    wrong bias gradient there) and raised PyTorch's own error for F and 10^6."""
+    code = (
+        "import torch, sparsefuse, sparsefuse._registry as r; assert not r.INTERPRET\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "B, K, F, D = 4, 3, 6, 5\n"
+        "rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)\n"
+        "idx0 = torch.randint(0, F - 1, (B, K), generator=g)  # feature F - 1 is used by no entry\n"
+        "sparsefuse.set_index_checks(False)\n"
+        "for bad in (-1, F, 10**6):\n"
+        "    idx = idx0.clone()\n"
+        "    idx[1, 1] = bad\n"
+        "    x, w, b = (t.requires_grad_() for t in (rnd(B, D), rnd(F, D), rnd(F)))\n"
+        "    out = sparsefuse.sparse_linear(x, w, idx, b)\n"
+        "    keep = torch.ones(B, K, dtype=torch.bool)\n"
+        "    keep[1, 1] = False\n"
+        "    assert torch.isnan(out[1, 1]) and torch.isfinite(out[keep]).all(), (bad, out)\n"
+        "    gb, = torch.autograd.grad(out[keep].sum(), [b])\n"
+        "    want = torch.zeros(F, dtype=torch.float64).index_add_(0, idx[keep], torch.ones(int(keep.sum()), dtype=torch.float64))\n"
+        "    assert torch.equal(gb, want), (bad, gb, want)\n"
         "print('ok')\n"
     )
     _run_without_interpreter(code)

@@ -99,6 +99,16 @@ def test_frozen_x_shift_gradient_in_float16():
         assert_close(g, want, torch.float16, "grad_x_shift")
 
 
+def test_frozen_x_shift_gradient_in_float16_of_a_zero_incoming_gradient():
+    """The float16 grad_x_shift scales the per-feature sums by their largest magnitude: when every
+    sum is 0 (a zero incoming gradient) it divides by 1 instead, so the gradient is 0, not 0 / 0."""
+    x, weight, idx, bias, shift = make(4, 2, 3, 5, torch.float16)
+    s = shift.clone().requires_grad_()
+    out = sparsefuse.sparse_linear(x, weight, idx, bias, s)
+    (got,) = torch.autograd.grad(out, [s], torch.zeros_like(out))
+    assert got.dtype == torch.float16 and torch.equal(got, torch.zeros_like(got))
+
+
 @pytest.mark.parametrize("shift", [True, False], ids=["shift", "noshift"])
 def test_non_contiguous_inputs(shift):
     """noshift: x reaches the kernels as it is (x - x_shift would have made a contiguous copy)."""

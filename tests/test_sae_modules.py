@@ -361,6 +361,7 @@ def test_forward_and_helpers_refuse_bad_input():
     (dict(k_aux=99), "k_aux must be between 1 and n_latents=24"),
     (dict(auxk_alpha=float("nan")), r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got nan"),
     (dict(auxk_alpha=-1.0), r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got -1.0"),
+    (dict(auxk_alpha=float("inf")), r"auxk_alpha must be finite and >= 0 \(0 turns AuxK off\), got inf"),
 ])
 def test_bad_arguments(kw, msg):
     args = dict(d_model=D, n_latents=F, k=K) | kw
@@ -541,6 +542,44 @@ def test_row_ops_bad_input():
         remove_parallel_component_(g_inf, w_inf)  # a weight that is only read may be one
     with torch.inference_mode():
         torch.testing.assert_close(normalize_rows_(w_inf), normalize_rows_(w.clone()))
+
+
+def test_row_ops_refuse_views_that_share_memory_without_being_the_same():
+    """remove_parallel_component_ lets grad and weight be one view only when they are the same view:
+    same address, shape, strides and dtype. One shared element (byte ranges that meet in a single
+    element), a transposed view of the same square buffer, and a view of the same bytes in a wider
+    dtype (each of its rows covers two rows of the other) are refused too; the kernels would read
+    rows another program had already rewritten."""
+    from sparsefuse.sae.ops import remove_parallel_component_
+
+    msg = r"grad and weight share memory without being the same tensor"
+    flat = torch.randn(13, device=DEVICE)
+    with pytest.raises(ValueError, match=msg):  # element 6 is the last of grad and the first of weight
+        remove_parallel_component_(flat[:7].view(1, 7), flat[6:].view(1, 7))
+    sq = torch.randn(4, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=msg):
+        remove_parallel_component_(sq, sq.t())
+    storage = torch.zeros(16, device=DEVICE).untyped_storage()
+    wide = torch.empty(0, device=DEVICE).set_(storage, 0, (4, 2), (2, 1))  # float32: all 32 bytes
+    narrow = torch.empty(0, device=DEVICE, dtype=torch.float16).set_(storage, 0, (4, 2), (2, 1))  # the first 16
+    wide.copy_(torch.randn(4, 2))
+    with pytest.raises(ValueError, match=msg):
+        remove_parallel_component_(narrow, wide)
+
+
+def test_row_ops_refuse_a_bool_eps():
+    """eps is a number, not a flag: True (a bool, which Python counts as the int 1) is refused as the
+    other checked numbers refuse it; a NumPy float is a number and is taken."""
+    import numpy as np
+
+    from sparsefuse.sae.ops import normalize_rows_, remove_parallel_component_
+
+    w, g = _rows(5, 7, torch.float32)
+    with pytest.raises(ValueError, match="eps must be a positive finite number, got True"):
+        normalize_rows_(w.clone(), eps=True)
+    with pytest.raises(ValueError, match="eps must be a positive finite number, got True"):
+        remove_parallel_component_(g.clone(), w, eps=True)
+    torch.testing.assert_close(normalize_rows_(w.clone(), eps=np.float64(1e-12)), normalize_rows_(w.clone()))
 
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
@@ -772,3 +811,23 @@ def test_load_keeps_the_checkpoint_dtype(tmp_path):
     back = TopKSAE.load(path, device=DEVICE)
     assert all(p.dtype == torch.float64 for p in back.parameters())
     assert torch.equal(m(x).loss, back(x).loss)
+
+
+def test_auxk_latents_listed_twice_are_not_checked_with_index_checks_off():
+    """Listing a candidate twice is caught only where index checks run (reading the ids is a host
+    sync on a GPU): with them off the forward runs, as the docstring says, and AuxK stays finite."""
+    m, x = _model(False, auxk_alpha=0.5, dead_tokens=100, k_aux=2), _x()
+    m.tokens_since_fired[[2, 9]] = 1000
+    sparsefuse.set_index_checks(False)
+    try:
+        out = m(x, auxk_latents=torch.tensor([2, 9, 2], device=DEVICE))
+    finally:
+        sparsefuse.set_index_checks(None)
+    assert torch.isfinite(out.auxk_loss) and out.auxk_loss > 0
+
+
+def test_k_may_equal_n_latents():
+    """k = n_latents (every latent active) is allowed: the encoding then holds every latent once."""
+    m = TopKSAE(D, 6, 6, seed=3).to(DEVICE, torch.float64)
+    out = m(_x())
+    assert sorted(out.indices[0].tolist()) == list(range(6)) and torch.isfinite(out.loss)

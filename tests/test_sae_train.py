@@ -89,6 +89,9 @@ def test_losses_given_as_a_string_is_refused_by_name():
     (dict(losses=("topk", "topk")), r"losses names a loss more than once: \('topk', 'topk'\)"),
     (dict(k=2.0), "k must be a positive int, got 2.0"),  # failed in torch.topk
     (dict(batch_size=20.0), "batch_size must be a positive int, got 20.0"),
+    # the upper bounds, on a set small enough that a run past a missing check ends soon
+    (dict(seed=2**63, n_samples=200, eval_rows=20), r"seed must lie in \[0, 2\^63\), got 9223372036854775808"),
+    (dict(lr=1e300, n_samples=200, eval_rows=20), r"lr must be finite and > 0 \(below 1e30\), got 1e\+300"),
 ])
 def test_config_refused_by_name(kw, msg):
     cfg = dict(k=2, n_latents=8, batch_size=20, steps=3, out=None, progress=False) | kw
@@ -120,6 +123,23 @@ def test_rerun_into_a_folder_removes_the_earlier_runs_outputs(tmp_path):
     train_sae(TrainConfig(losses=("topk",), **kw), log=lines.append)
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "notes.txt", "sae.safetensors"]
     assert f"removed sae_topk.safetensors, sae_hierarchical.safetensors of an earlier run from {out}" in lines
+
+
+def test_a_runs_own_plot_is_kept_and_a_stale_one_removed(tmp_path):
+    """The plot a run has just written is one of its outputs, not a leftover: it stays beside
+    metrics.json; a later run without a plot removes it as stale and says so."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "o"
+    kw = dict(losses=("topk",), k=2, n_latents=8, batch_size=20, steps=2, n_samples=200, eval_rows=20,
+              progress=False, out=str(out))
+    lines = []
+    train_sae(TrainConfig(plot=True, **kw), log=lines.append)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "sae.png", "sae.safetensors"]
+    assert not any(line.startswith("removed") for line in lines), lines
+    lines.clear()
+    train_sae(TrainConfig(plot=False, **kw), log=lines.append)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "sae.safetensors"]
+    assert f"removed sae.png of an earlier run from {out}" in lines
 
 
 def _write(tmp_path, name, x):
@@ -541,6 +561,41 @@ def test_big_endian_and_unsigned_files(tmp_path):
         load_activations(path)
 
 
+def test_check_activations_takes_every_signed_integer_width_and_refuses_meta():
+    """int8, int16, int32 and int64 activations are read as float32 values; a meta tensor (no data)
+    is refused by name instead of failing inside PyTorch; a big-endian unsigned file is named as
+    unsigned, as a native one is (its reader does not fail on the byte order)."""
+    from sparsefuse.sae.data import check_activations
+
+    x = torch.arange(-6, 6).reshape(4, 3)
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+        got = check_activations(x.to(dtype))
+        assert got.dtype == torch.float32 and torch.equal(got, x.float()), dtype
+    with pytest.raises(ValueError, match="activations must be a dense tensor holding data, got layout torch.strided "
+                                         "on meta"):
+        check_activations(torch.zeros(4, 3, device="meta"))
+
+
+def test_big_endian_unsigned_file_is_named_as_unsigned(tmp_path):
+    path = str(tmp_path / "be.npy")
+    np.save(path, np.arange(40).reshape(10, 4).astype(">u2"))
+    with pytest.raises(ValueError, match="or signed integers, got dtype torch.uint16"):
+        load_activations(path)
+
+
+def test_weights_only_refusal_gives_its_reason_not_the_advice(tmp_path):
+    """torch.load(weights_only=True) puts its reason for refusing a pickled object after a paragraph
+    of advice on loading untrusted checkpoints; the one-line message keeps the reason."""
+    import datetime
+
+    path = str(tmp_path / "a.pt")
+    torch.save({"activations": torch.ones(20, 4), "when": datetime.date(2024, 1, 1)}, path)
+    with pytest.raises(ValueError, match=r"a\.pt: cannot be read as a \.pt file \(UnpicklingError: Unsupported "
+                                         r"global: GLOBAL datetime\.date") as info:
+        load_activations(path)
+    assert "Weights only load failed" not in str(info.value) and "Check the documentation" not in str(info.value)
+
+
 @pytest.mark.parametrize("device, msg", [
     ("gpu", r"unknown device 'gpu'; use auto, cpu, cuda or cuda:N"),
     ("meta", r"unknown device 'meta'; use auto, cpu, cuda or cuda:N"),
@@ -556,6 +611,18 @@ def test_bad_device_is_named_before_the_data_is_read(tmp_path, capsys, device, m
     assert cli(args) == 2
     err = capsys.readouterr().err
     assert __import__("re").search(msg, err) and "missing.npy" not in err, err
+
+
+def test_cuda_index_one_past_the_last_device_is_refused(monkeypatch):
+    """cuda:N names one of N CUDA devices only for N below the count: cuda:2 on a two-GPU machine is
+    refused before the data is read, cuda:1 is taken (the count is faked: no GPU is needed)."""
+    from sparsefuse.sae import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device 'cuda:2': this machine has 2 CUDA device\(s\)"):
+        train._check_device("cuda:2")
+    train._check_device("cuda:1")
 
 
 def test_torchrun_refuses_one_explicit_gpu_for_every_process(monkeypatch):
