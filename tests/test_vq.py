@@ -1540,12 +1540,11 @@ def test_residual_vq_loss_and_gradients(dtype):
     assert_close(g, want_g, dtype, "grad_x")
 
 
-def test_residual_vq_kmeans_init_fits_each_level_on_the_residual():
-    """Level l is initialised by k-means on what levels < l leave over, not on x."""
+def _residual_kmeans(x):
+    """(a two-level ResidualVQ of 4 codes initialised by k-means on x, and [(codes, counts)] of each
+    level's k-means on what the levels before leave over, run by hand with the same generator)."""
     from sparsefuse.vq.modules import _kmeans
 
-    g = torch.Generator().manual_seed(0)
-    x = (10 * torch.randn(4, 3, generator=g)[torch.arange(40) % 4] + torch.randn(40, 3, generator=g)).to(DEVICE)
     rvq = ResidualVQ(2, 3, 4, kmeans_init=True, kmeans_iters=3, deterministic=True,
                      generator=torch.Generator(device=DEVICE).manual_seed(5)).to(DEVICE)
     rvq.kmeans_init_(x)
@@ -1554,9 +1553,18 @@ def test_residual_vq_kmeans_init_fits_each_level_on_the_residual():
     for _ in range(2):
         c, n = _kmeans(r, 4, 3, cosine=False, precision="exact", generator=gen, process_group=None,
                        deterministic=True)
-        want.append((c, n.clamp_min(1)))
+        want.append((c, n))
         r = r - c[nearest_code(r, c)[0]]
+    return rvq, want
+
+
+def test_residual_vq_kmeans_init_fits_each_level_on_the_residual():
+    """Level l is initialised by k-means on what levels < l leave over, not on x."""
+    g = torch.Generator().manual_seed(0)
+    x = (10 * torch.randn(4, 3, generator=g)[torch.arange(40) % 4] + torch.randn(40, 3, generator=g)).to(DEVICE)
+    rvq, want = _residual_kmeans(x)
     for level, (c, n) in enumerate(want):
+        n = n.clamp_min(1)
         assert_close(rvq.codebook[level], c, torch.float32, f"codebook[{level}]")
         assert_close(rvq.cluster_size[level], n, torch.float32, f"cluster_size[{level}]")
         assert_close(rvq.embed_sum[level], c * n[:, None], torch.float32, f"embed_sum[{level}]")
@@ -1568,22 +1576,11 @@ def test_residual_vq_kmeans_init_keeps_float64_residuals():
     does. Here the points sit 1e5 from the origin, where float32 steps by 0.008, and spread 0.01 around
     their centres: x and its residuals taken in float32 were rounded to that step, which moved the
     centroids of both levels."""
-    from sparsefuse.vq.modules import _kmeans
-
     g = torch.Generator().manual_seed(0)
     x = 1e5 + 10 * torch.randn(4, 3, generator=g, dtype=torch.float64)[torch.arange(40) % 4]
     x = (x + 0.01 * torch.randn(40, 3, generator=g, dtype=torch.float64)).to(DEVICE)
-    rvq = ResidualVQ(2, 3, 4, kmeans_init=True, kmeans_iters=3, deterministic=True,
-                     generator=torch.Generator(device=DEVICE).manual_seed(5)).to(DEVICE)
-    rvq.kmeans_init_(x)
-    gen = torch.Generator(device=DEVICE).manual_seed(5)
-    r, want = x, []
-    for _ in range(2):
-        c, _ = _kmeans(r, 4, 3, cosine=False, precision="exact", generator=gen, process_group=None,
-                       deterministic=True)
-        want.append(c)
-        r = r - c[nearest_code(r, c)[0]]
-    for level, c in enumerate(want):
+    rvq, want = _residual_kmeans(x)
+    for level, (c, _) in enumerate(want):
         assert_close(rvq.codebook[level], c.float(), torch.float32, f"codebook[{level}]")
 
 
