@@ -1,5 +1,6 @@
 """The benchmark harness: round-robin rounds (``Case.rounds``, timing stubbed out) and the host profile."""
 
+import math
 import time
 
 import pytest
@@ -1009,3 +1010,31 @@ def test_speedup_table_footer_names_only_the_gpus_of_its_rows_and_is_empty_witho
     assert "Other GPU" not in text and f"Measured on {ours.gpu};" in text
     assert harness.speedup_table([base]) == ""
     assert harness.speedup_table([other]) == ""
+
+
+def test_rel_err_keeps_a_nan_in_any_place():
+    """The families' no-GPU checks compare [loss, *gradients] with rel_err: a NaN in any entry must
+    fail them. Python's max kept a NaN only in first place, so a NaN gradient read as a pass."""
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    assert harness.rel_err([a, a], [a, a]) == 0
+    assert harness.rel_err([a, b], [a, a]) == pytest.approx(1.0)
+    nan = torch.tensor([1.0, float("nan"), 1.0])
+    for got in ([a, nan], [nan, a], [a, a, nan]):
+        assert math.isnan(harness.rel_err(got, [a] * len(got))), got
+    with pytest.raises(ValueError):
+        harness.rel_err([a], [a, a])
+
+
+def test_sae_check_fails_a_nan_gradient(monkeypatch):
+    """``sparsefuse bench sae`` without a GPU: an op whose loss is right but whose vals gradient is NaN
+    is reported as FAILED, and the check returns False."""
+    from sparsefuse.bench import sae
+    from sparsefuse.sae import reference
+
+    def nan_vals_grad(idx, w, v, b, t):  # (0 v)^(1/2) adds 0 to the loss and 0 * inf = NaN to its gradient
+        return reference.topk_sae_loss(idx, w, v, b, t) + (0 * v).sqrt().sum()
+
+    monkeypatch.setattr(sae, "OPS", {"topk": (nan_vals_grad, reference.topk_sae_loss)})
+    lines = []
+    assert sae.check(log=lines.append) is False
+    assert "FAILED" in lines[0] and "nan" in lines[0], lines

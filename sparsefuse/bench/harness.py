@@ -401,9 +401,12 @@ def speedup_table(results: list, *, ours: str = "sparsefuse", baselines=("torch"
 
 
 def rel_err(got, want) -> float:
-    """The largest ``norm(a - b) / norm(b)`` over pairs of tensors, in float64: the families' CPU checks."""
-    return max(float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
-               for a, b in zip(got, want))
+    """The largest ``norm(a - b) / norm(b)`` over pairs of tensors, in float64: the families' CPU checks.
+    NaN when any pair's is NaN (Python's ``max`` kept a NaN only in first place, so a NaN gradient
+    after the loss read as a pass); the two lists must have the same length."""
+    errs = [(a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30)
+            for a, b in zip(got, want, strict=True)]
+    return float(torch.stack(errs).max())
 
 
 def publish(family: str, text: str, results: list, *, out_dir: str, readme: str, title: str, x_key: str,
