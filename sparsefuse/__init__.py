@@ -6,7 +6,7 @@ without it, CPU tensors take the exact PyTorch reference path.
 
 from ._validate import index_checks_enabled, set_index_checks
 from .kd import TopKKDLoss, topk_kd_loss, topk_kd_loss_from_hidden, topk_kd_loss_from_logits
-from .sae import hierarchical_sae_loss, sae_decode, sparse_linear, topk_sae_loss
+from .sae import hierarchical_sae_loss, sae_decode, sparse_linear, topk, topk_sae_loss
 from .sae.modules import TopKSAE
 from .vq import ResidualVQ, VectorQuantizer, nearest_code, vq_ema_update
 from . import compat  # noqa: E402  (sparsefuse.compat.* after a plain `import sparsefuse`)
@@ -29,6 +29,7 @@ __all__ = [
     "topk_sae_loss",
     "hierarchical_sae_loss",
     "sparse_linear",
+    "topk",
     "TopKSAE",
     "train_sae",
     "TrainConfig",

@@ -166,6 +166,7 @@ def breakdown(B=4096, K=64, F=65536, D=2304, dtype=torch.bfloat16, device="cuda"
 
     from ..sae import reference
     from ..sae.ops import sparse_linear
+    from ..sae.ops import topk
 
     model = TopKSAE(D, F, K, hierarchical=True, auxk_alpha=0.0, device=device, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
@@ -186,6 +187,7 @@ def breakdown(B=4096, K=64, F=65536, D=2304, dtype=torch.bfloat16, device="cuda"
     parts = {
         "encoder matmul fwd": lambda: torch.nn.functional.linear(x, model.W_enc, model.b_enc),
         "top-k over [B, F]": lambda: pre.topk(K, dim=-1, sorted=True),
+        "top-k over [B, F], sparsefuse.topk": lambda: topk(pre, K),
         "dense encoder + top-k, fwd + bwd": dense_encoder,
         "sparse_linear fwd + bwd": sparse_encoder,
         "projection, fused": lambda: model.remove_parallel_grad_(),

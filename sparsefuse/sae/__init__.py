@@ -1,5 +1,5 @@
 """SAE decoders: the sparse embedding bag and the TopK / HierarchicalTopK reconstruction losses."""
 
-from .ops import hierarchical_sae_loss, sae_decode, sparse_linear, topk_sae_loss
+from .ops import hierarchical_sae_loss, sae_decode, sparse_linear, topk, topk_sae_loss
 
-__all__ = ["sae_decode", "topk_sae_loss", "hierarchical_sae_loss", "sparse_linear"]
+__all__ = ["sae_decode", "topk_sae_loss", "hierarchical_sae_loss", "sparse_linear", "topk"]

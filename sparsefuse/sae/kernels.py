@@ -62,6 +62,14 @@ _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 _UNIT_ROWS_MAX_D, _UNIT_ROWS_WARPS = 1024, 4
 _FINISH_BLOCK, _FINISH_WARPS = 1024, 4
 _SCALE_CAST_BLOCK, _SCALE_CAST_WARPS = (1024 if INTERPRET else 4096), 8
+# Row top-k (_row_topk_kernel): one program per row holds at most _TOPK_MAX_BLOCKS block maxima and
+# _TOPK_MAX_CANDIDATES entries of the chosen blocks, and reads the row _TOPK_STEP entries a step; 4
+# warps, 8 from _TOPK_WIDE keys held at once (H200 sweep, scripts/probe_row_topk.py, session 40: at
+# F = 65536, K = 64 / 128 / 256, fp32, 0.60 / 1.24 / 1.45 ms with 4 warps, 0.68 / 0.78 / 0.71 with 8).
+_TOPK_MAX_BLOCKS = 4096
+_TOPK_MAX_CANDIDATES = 8192
+_TOPK_STEP = 4096
+_TOPK_WIDE = 4096
 
 
 def _gather_config(K: int, D: int, itemsize: int) -> dict:
@@ -1088,3 +1096,131 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     elif mode == 0:
         grad_weight = weight.new_empty(0)
     return grad_vals, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Row top-k: the encoder's selection of the K largest pre-activations of each row
+#
+# torch.topk over a TopK SAE's [B, F] pre-activations (B = 4096, F = 65536, K = 64) takes 2.0 ms in
+# bf16, for 512 MB that one read takes in 0.11 ms. One program per row takes the same K entries in
+# three steps: (1) the maximum of each block of C columns (one read of the row); (2) the K blocks with
+# the largest maxima; (3) the K largest entries of those K * C. Every one of the row's K largest
+# values lies in a chosen block: a block left out has a maximum m no larger than any chosen block's,
+# so the chosen blocks hold K values >= m, and the left-out block's values (all <= m) are not needed
+# to make up the K largest. Steps (2) and (3) select by radix: on order-preserving integer keys of
+# the floats (NaN above +inf, as torch.topk ranks it), the K-th largest key is set one bit at a time
+# from the top, counting the keys above each candidate; entries above it are taken, then entries equal
+# to it in order until there are K. The K winners are sorted by key, then column.
+
+
+@triton.jit
+def _order_key(x, BITS: tl.constexpr):
+    """Unsigned sort key of a float (BITS = 32 for float32, 16 for float16 / bfloat16) in
+    [0, 2**BITS), as int64: ordered as the floats are, every NaN above +inf, -0 just below +0."""
+    if BITS == 32:
+        u = x.to(tl.int32, bitcast=True)
+    else:
+        u = x.to(tl.int16, bitcast=True).to(tl.int32)
+    key = u ^ ((u >> (BITS - 1)) & ((1 << (BITS - 1)) - 1))  # negative floats: reverse their order
+    key = tl.where(x != x, (1 << (BITS - 1)) - 1, key)
+    return key.to(tl.int64) + (1 << (BITS - 1))
+
+
+@triton.jit
+def _kth_largest(ukey, k, BITS: tl.constexpr):
+    """The k-th largest of ``ukey`` (a 1-D block of keys in [0, 2**BITS); -1 marks no entry): the
+    largest t with at least k keys >= t, set one bit at a time from the top."""
+    t = tl.zeros([], dtype=tl.int64)
+    for i in tl.static_range(BITS):
+        c = t | (1 << (BITS - 1 - i))
+        t = tl.where(tl.sum((ukey >= c).to(tl.int32), axis=0) >= k, c, t)
+    return t
+
+
+@triton.jit
+def _take_k(ukey, t, k):
+    """Mask of exactly k entries of ``ukey`` whose k-th largest is t: every key above t, then those
+    equal to t in order until there are k."""
+    above = ukey > t
+    tie = ukey == t
+    need = k - tl.sum(above.to(tl.int32), axis=0)
+    return above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))
+
+
+@triton.jit
+def _row_topk_kernel(x_ptr, blk_ptr, pick_ptr, pack_ptr, out_ptr, F, stride_x, k,
+                     C: tl.constexpr, NB: tl.constexpr, KP: tl.constexpr, STEP: tl.constexpr,
+                     BITS: tl.constexpr):
+    """out[row, :k]: the columns of the k largest entries of x[row, :F], largest first (equal keys by
+    column). Grid (rows,). Scratch per row: blk [NB] block maxima, pick [KP] chosen blocks, pack
+    [KP] winners. C columns a block, NB >= cdiv(F, C) blocks (those past F empty), KP >= k."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    # 1. the largest key of each block, STEP entries a step
+    o_r = tl.arange(0, STEP // C)
+    o_c = tl.arange(0, C)
+    for start in range(0, NB, STEP // C):
+        cols = (start + o_r)[:, None] * C + o_c[None, :]
+        u = tl.where(cols < F, _order_key(tl.load(x_row + cols, mask=cols < F, other=0), BITS), -1)
+        tl.store(blk_ptr + row * NB + start + o_r, tl.max(u, axis=1), mask=start + o_r < NB)
+    tl.debug_barrier()  # the maxima are read back below by other threads of this program
+    # 2. the k blocks with the largest maxima, their ids into slots 0 .. k-1
+    o_b = tl.arange(0, NB)
+    ub = tl.load(blk_ptr + row * NB + o_b)
+    chosen = _take_k(ub, _kth_largest(ub, k, BITS), k)
+    tl.store(pick_ptr + row * KP + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, o_b, mask=chosen)
+    tl.debug_barrier()
+    # 3. the k largest entries of the chosen blocks
+    o_e = tl.arange(0, KP * C)
+    blk = tl.load(pick_ptr + row * KP + o_e // C, mask=o_e // C < k, other=0)
+    cols = blk * C + o_e % C
+    ok = (o_e // C < k) & (cols < F)
+    u = tl.where(ok, _order_key(tl.load(x_row + cols, mask=ok, other=0), BITS), -1)
+    take = _take_k(u, _kth_largest(u, k, BITS), k)
+    # sorted by key, then by column: the signed key in the high 32 bits, 2**32 - 1 - column below
+    packed = ((u - (1 << (BITS - 1))) << 32) + (4294967295 - cols.to(tl.int64))
+    tl.store(pack_ptr + row * KP + tl.cumsum(take.to(tl.int32), axis=0) - 1, packed, mask=take)
+    tl.debug_barrier()
+    o_k = tl.arange(0, KP)
+    p = tl.sort(tl.load(pack_ptr + row * KP + o_k, mask=o_k < k, other=-9223372036854775808), descending=True)
+    tl.store(out_ptr + row * k + o_k, 4294967295 - (p & 4294967295), mask=o_k < k)
+
+
+_TOPK_BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+
+
+def row_topk_block(F: int, k: int) -> int:
+    """Block width C (a power of two) for rows of F entries and k winners: the one with the fewest
+    block maxima plus candidates (NB + KP * C) within the kernel's caps, with at least k blocks; 0
+    when none fits (the launcher then takes torch.topk)."""
+    best, C = None, 1
+    while C <= F < 2**31 and cdiv(F, C) >= k:
+        NB = next_pow2(cdiv(F, C))
+        if NB <= _TOPK_MAX_BLOCKS and next_pow2(k) * C <= _TOPK_MAX_CANDIDATES:
+            cost = NB + next_pow2(k) * C
+            if best is None or cost < best[0]:
+                best = (cost, C)
+        C *= 2
+    return 0 if best is None else best[1]
+
+
+def row_topk(x: torch.Tensor, k: int, block: int = 0, num_warps: int = 0) -> torch.Tensor:
+    """int64 [N, k]: the columns of the k largest entries of each row of x [N, F], largest first.
+    ``block`` and ``num_warps`` override the launch heuristics (tests and probes). float64 rows, and
+    rows for which no block width fits the kernel's caps, take torch.topk."""
+    N, F = x.shape
+    C = block or row_topk_block(F, k)
+    if x.dtype not in _TOPK_BITS or C == 0 or N == 0:
+        return x.topk(k, dim=-1, sorted=True).indices
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    NB, KP = next_pow2(cdiv(F, C)), next_pow2(k)
+    dev = x.device
+    blk = torch.empty(N, NB, device=dev, dtype=torch.int64)
+    pick = torch.empty(N, KP, device=dev, dtype=torch.int32)
+    pack = torch.empty(N, KP, device=dev, dtype=torch.int64)
+    out = torch.empty(N, k, device=dev, dtype=torch.int64)
+    launch(_row_topk_kernel, (N,), (x, blk, pick, pack, out, F, x.stride(0), k),
+           dict(C=C, NB=NB, KP=KP, STEP=max(min(_TOPK_STEP, NB * C), C), BITS=_TOPK_BITS[x.dtype]),
+           num_warps or (8 if max(NB, KP * C) >= _TOPK_WIDE else 4))
+    return out

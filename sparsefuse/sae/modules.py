@@ -31,7 +31,7 @@ from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_nu
                          check_tensor, index_checks_enabled)
 from . import reference
 from .ops import (hierarchical_sae_loss, normalize_rows_, remove_parallel_component_, sae_decode, sparse_linear,
-                  topk_sae_loss)
+                  topk, topk_sae_loss)
 
 DECODERS = {
     "fused": (topk_sae_loss, hierarchical_sae_loss),
@@ -92,8 +92,10 @@ class TopKSAE(nn.Module):
         encoder: how the encoder's gradient is computed in :meth:`forward`. ``"sparse"``: the
             dense product ``x @ W_enc.T`` only chooses the latents (no autograd graph); the K
             chosen ones are recomputed through :func:`sparsefuse.sparse_linear`, whose backward
-            costs O(B*K*D) instead of two dense [B, F] matmuls. ``"dense"``: autograd through the
-            dense product and ``topk`` (the plain PyTorch way). Same values and gradients.
+            costs O(B*K*D) instead of two dense [B, F] matmuls, and the latents are chosen through
+            :func:`sparsefuse.topk` (block maxima, then two small selections). ``"dense"``: autograd
+            through the dense product and ``torch.topk`` (the plain PyTorch way). Same values and
+            gradients (which of several equal activations is chosen may differ).
         seed: seed of the initialisation (the global RNG is left alone).
 
     Initialisation: encoder rows uniform in ``[-1/sqrt(D), 1/sqrt(D)]``, decoder = the encoder's
@@ -163,8 +165,12 @@ class TopKSAE(nn.Module):
 
     def encode(self, x: Tensor, k: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """``(indices [B, k] int64, vals [B, k])``: the k (default K) largest activations, largest first."""
-        vals, indices = self.pre_acts(x).topk(self.k if k is None else k, dim=-1, sorted=True)
+        vals, indices = self._select(self.pre_acts(x), self.k if k is None else k)
         return indices, vals
+
+    def _select(self, a: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """``(values, indices)`` of the k largest entries of each row of ``a``, largest first."""
+        return topk(a, k) if self.encoder == "sparse" else a.topk(k, dim=-1, sorted=True)
 
     def decode(self, indices: Tensor, vals: Tensor) -> Tensor:
         """``b_dec + sum_k vals[:, k] * W_dec[indices[:, k]]`` through :func:`sparsefuse.sae_decode`, ``[B, D]``."""
@@ -231,11 +237,11 @@ class TopKSAE(nn.Module):
         shift = self.b_dec.to(xe.dtype)  # the pre-encoder bias
         if self.encoder == "dense":
             pre = F.relu(self._encoder_linear(xe))
-            vals, indices = pre.topk(self.k, dim=-1, sorted=True)
+            vals, indices = self._select(pre, self.k)
         else:  # the dense product only selects; ReLU would not change which latents end up nonzero
             with torch.no_grad():
                 pre = self._encoder_linear(xe)
-            top, indices = pre.topk(self.k, dim=-1, sorted=True)
+            top, indices = self._select(pre, self.k)
             vals = F.relu(sparse_linear(xe, self.W_enc, indices, self.b_enc, shift, values=top))
         if variance is None:
             xf = x.detach().to(reference.acc_dtype(x))
@@ -272,7 +278,7 @@ class TopKSAE(nn.Module):
             latents = latents.clamp(0, self.n_latents - 1)
         cand, cand_dead = (pre, dead) if latents is None else (pre[:, latents], dead[latents])  # [B, C], [C]
         n = min(self.config["k_aux"], cand.shape[1])
-        aux_vals, pick = (cand * cand_dead.to(cand.dtype)).topk(n, dim=-1, sorted=True)  # [B, n]
+        aux_vals, pick = self._select(cand * cand_dead.to(cand.dtype), n)  # [B, n]
         if cand.shape[1] <= AUXK_DENSE_RATIO * n:
             mse = self._auxk_dense(xe, cand, cand_dead, pick, resid, latents)
         else:

@@ -61,6 +61,11 @@ def sparse_linear(x, weight, indices, bias=None, x_shift=None):
     return out if bias is None else out + bias[indices.long()]
 
 
+def row_topk(x, k):
+    """int64 [N, k]: the columns of the k largest entries of each row of x [N, F], largest first."""
+    return x.topk(k, dim=-1, sorted=True).indices
+
+
 def _rows(weight, indices):
     """weight[indices] ([B, K, D]) for the ops' CPU implementation, as the kernels read it: an index
     outside [0, F), which reaches here only with index checks off, gives a NaN row (PyTorch's indexing

@@ -1,0 +1,165 @@
+"""sparsefuse.topk: the row top-k kernel (block maxima, then two radix selections) against torch.topk.
+
+CPU tier: the kernel under the interpreter (conftest), every block width on small rows.
+GPU tier (-m gpu): the SAE encoder's sizes in every dtype.
+"""
+
+import pytest
+import torch
+
+import sparsefuse
+from sparsefuse.sae import kernels
+
+from helpers import DEVICE, assert_compile_parity
+
+
+def rows(N, F, dtype, *, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, F, generator=g).to(device=device, dtype=dtype)
+
+
+def assert_topk(x, k, values, indices):
+    """The values are torch.topk's on the CPU (NaN in the same places), each an entry of x at its
+    index, the columns of a row distinct, and equal values (bit for bit) in ascending column order.
+    (The CPU's torch.topk ranks every NaN first; CUDA's did not always rank a sign-bit NaN first.)"""
+    want = x.cpu().topk(k, dim=-1, sorted=True).values
+    assert values.dtype == x.dtype and indices.dtype == torch.int64
+    assert values.shape == want.shape == indices.shape
+    assert torch.equal(values.isnan().cpu(), want.isnan())
+    assert torch.equal(values.nan_to_num(0.0).cpu(), want.nan_to_num(0.0)), "values differ from torch.topk's"
+    assert torch.equal(x.gather(-1, indices).nan_to_num(0.0), values.nan_to_num(0.0))
+    flat = indices.reshape(-1, k)
+    assert (flat.sort(-1).values.diff(dim=-1) > 0).all(), "a column taken twice"
+    bits = values.reshape(-1, k).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()])
+    same = bits[:, 1:] == bits[:, :-1]  # the same float, bit for bit (+0 and -0 are two keys)
+    assert (flat.diff(dim=-1)[same] > 0).all(), "equal values out of column order"
+
+
+SHAPES = [(1, 1, 1), (3, 5, 5), (4, 37, 3), (2, 64, 1), (5, 300, 20), (3, 1000, 7), (2, 2000, 64)]  # (N, F, k)
+
+
+@pytest.mark.parametrize("N,F,k", SHAPES, ids=[f"N{n}-F{f}-k{k}" for n, f, k in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=["fp32", "bf16", "fp16", "fp64"])
+def test_matches_torch_topk(N, F, k, dtype):
+    x = rows(N, F, dtype)
+    values, indices = sparsefuse.topk(x, k)
+    assert_topk(x, k, values, indices)
+    if dtype == torch.float32:  # distinct values: the same columns as torch.topk
+        assert torch.equal(indices, x.topk(k).indices)
+
+
+@pytest.mark.parametrize("F,k", [(1000, 7), (37, 3), (64, 16), (257, 2)])
+def test_every_block_width(F, k):
+    """Each block width that leaves at least k blocks, from one column a block to the last that
+    fits: ragged last blocks, empty padding blocks, candidates past F."""
+    x = rows(3, F, torch.float32, seed=F)
+    C = 1
+    while -(-F // C) >= k:
+        assert_topk(x, k, x.gather(-1, idx := kernels.row_topk(x, k, block=C)), idx)
+        C *= 2
+    assert C >= 8  # at least three widths tried
+
+
+def test_default_block_width():
+    """Fewest block maxima plus candidates within the caps; 0 (torch.topk) where none fits."""
+    assert kernels.row_topk_block(65536, 64) == 32
+    assert kernels.row_topk_block(65536, 16) == 64
+    assert kernels.row_topk_block(5, 5) == 1
+    assert kernels.row_topk_block(100_000, 5000) == 0  # 8192 candidates at C = 1 need 100000 blocks
+    assert kernels.row_topk_block(2**31, 4) == 0
+
+
+def test_too_many_winners_takes_torch_topk(monkeypatch):
+    monkeypatch.setattr(kernels, "_TOPK_MAX_CANDIDATES", 16)
+    x = rows(3, 300, torch.float32)
+    assert kernels.row_topk_block(300, 20) == 0
+    assert_topk(x, 20, *sparsefuse.topk(x, 20))
+
+
+def test_ties_nan_inf_and_signed_zeros():
+    x = torch.randint(-3, 3, (6, 500)).float().to(DEVICE)  # every value repeated
+    x[0, 7] = float("nan")
+    x[0, 400] = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32)  # NaN with the sign bit set
+    x[1] = float("-inf")
+    x[2, ::3] = float("inf")
+    x[3, ::5] = float("nan")
+    x[4] = 0.0
+    x[4, ::2] = -0.0
+    x[5, :] = -1.0
+    x[5, 499] = float("nan")
+    for k in (1, 40, 250, 500):
+        values, indices = sparsefuse.topk(x, k)
+        assert_topk(x, k, values, indices)
+    values, _ = sparsefuse.topk(x, 2)
+    assert values[0].isnan().all() and values[5, 0].isnan() and values[5, 1] == -1
+    _, indices = sparsefuse.topk(x[4:5], 250)
+    assert torch.equal(indices[0], torch.arange(1, 500, 2, device=DEVICE))  # the +0 columns, above the -0 ones
+
+
+def test_shapes_strides_and_empty():
+    x = rows(6, 40, torch.float32)
+    for t in (x.t().contiguous().t(), x[:, ::2], x.reshape(2, 3, 40), x[:0], x[:, :1]):
+        k = min(3, t.shape[-1])
+        values, indices = sparsefuse.topk(t, k)
+        want = t.topk(k, dim=-1)
+        assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
+    values, indices = sparsefuse.topk(torch.randn(7, device=DEVICE), 2)  # one row
+    assert values.shape == indices.shape == (2,)
+
+
+def test_gradient_is_torch_topk_gradient():
+    x = rows(4, 300, torch.float32).requires_grad_()
+    g = torch.randn(4, 9, device=DEVICE)
+    (got,) = torch.autograd.grad(sparsefuse.topk(x, 9)[0], x, g)
+    (want,) = torch.autograd.grad(x.topk(9).values, x, g)
+    assert torch.equal(got, want)
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.sparsefuse.row_topk.default, (rows(3, 100, torch.float32), 5))
+
+
+def test_torch_compile_fullgraph_parity():
+    x = rows(5, 200, torch.float32)
+    assert_compile_parity(lambda x: sparsefuse.topk(x, 6)[0].square().sum(), (x,), atol=0)
+
+
+@pytest.mark.parametrize(
+    "x,k,exc,match",
+    [
+        (torch.zeros(3, 4, dtype=torch.int64), 2, TypeError, r"x has dtype int64"),
+        (torch.tensor(1.0), 1, ValueError, r"at least one dimension"),
+        (torch.zeros(3, 4), 0, ValueError, r"k must be an integer in \[1, 4\].*got 0"),
+        (torch.zeros(3, 4), 5, ValueError, r"k must be an integer in \[1, 4\].*got 5"),
+        (torch.zeros(3, 4), 2.0, ValueError, r"got 2.0"),
+        (torch.zeros(3, 4), True, ValueError, r"got True"),
+        ("x", 1, TypeError, r"x must be a tensor, got str"),
+    ],
+    ids=["int-dtype", "0-dim", "k0", "k-above-F", "k-float", "k-bool", "not-tensor"],
+)
+def test_bad_input_errors(x, k, exc, match):
+    with pytest.raises(exc, match=match):
+        sparsefuse.topk(x.to(DEVICE) if isinstance(x, torch.Tensor) else x, k)
+
+
+# --- GPU tier ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("F,k", [(65536, 32), (65536, 64), (65536, 128), (24577, 64), (131072, 256), (65536, 1152)])
+def test_gpu_encoder_sizes(dtype, F, k):
+    """The SAE encoder's selection at real sizes; k = 1152 (AuxK's default at D = 2304) takes
+    torch.topk. A few NaN and -inf entries included."""
+    x = torch.randn(512, F, device="cuda", dtype=torch.float32).relu().to(dtype)
+    x[0, 5] = float("nan")
+    x[1, :100] = float("-inf")
+    assert_topk(x, k, *sparsefuse.topk(x, k))
+
+
+@pytest.mark.gpu
+def test_gpu_every_warp_count():
+    x = torch.randn(256, 65536, device="cuda")
+    for w in (1, 2, 4, 8, 16):
+        assert_topk(x, 64, x.gather(-1, idx := kernels.row_topk(x, 64, num_warps=w)), idx)
