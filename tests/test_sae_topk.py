@@ -49,16 +49,20 @@ def test_matches_torch_topk(N, F, k, dtype):
         assert torch.equal(indices, x.topk(k).indices)
 
 
-@pytest.mark.parametrize("F,k", [(1000, 7), (37, 3), (64, 16), (257, 2)])
-def test_every_block_width(F, k):
+@pytest.mark.parametrize("F,k,dtype", [(1000, 7, torch.float32), (37, 3, torch.float32), (64, 16, torch.bfloat16),
+                                     (257, 2, torch.float16)])
+def test_every_block_width(F, k, dtype):
     """Each block width that leaves at least k blocks, from one column a block to the last that
-    fits: ragged last blocks, empty padding blocks, candidates past F."""
-    x = rows(3, F, torch.float32, seed=F)
+    fits: ragged last blocks, empty padding blocks, candidates past F. Other widths are refused."""
+    x = rows(3, F, dtype, seed=F)
     C = 1
     while -(-F // C) >= k:
         assert_topk(x, k, x.gather(-1, idx := kernels.row_topk(x, k, block=C)), idx)
         C *= 2
     assert C >= 8  # at least three widths tried
+    for bad in (C, 3):
+        with pytest.raises(ValueError, match=f"block must be a power of two leaving at least k = {k} blocks"):
+            kernels.row_topk(x, k, block=bad)
 
 
 def test_default_block_width():
@@ -68,6 +72,7 @@ def test_default_block_width():
     assert kernels.row_topk_block(5, 5) == 1
     assert kernels.row_topk_block(100_000, 5000) == 0  # 8192 candidates at C = 1 need 100000 blocks
     assert kernels.row_topk_block(2**31, 4) == 0
+    assert kernels.row_topk_block(65536, 512) == 16 and kernels.row_topk_block(65536, 513) == 0  # k past 512
 
 
 def test_too_many_winners_takes_torch_topk(monkeypatch):
@@ -77,10 +82,16 @@ def test_too_many_winners_takes_torch_topk(monkeypatch):
     assert_topk(x, 20, *sparsefuse.topk(x, 20))
 
 
-def test_ties_nan_inf_and_signed_zeros():
-    x = torch.randint(-3, 3, (6, 500)).float().to(DEVICE)  # every value repeated
+SIGN_NAN = {torch.float32: -0x400000, torch.bfloat16: -0x40, torch.float16: -0x200}  # NaN bits with the sign set
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_ties_nan_inf_and_signed_zeros(dtype):
+    x = torch.randint(-3, 3, (6, 500)).to(device=DEVICE, dtype=dtype)  # every value repeated
     x[0, 7] = float("nan")
-    x[0, 400] = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32)  # NaN with the sign bit set
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    x[0, 400] = torch.tensor(SIGN_NAN[dtype], dtype=bits).view(dtype)
+    assert x[0, 400].isnan() and x[0, 400].view(bits) < 0
     x[1] = float("-inf")
     x[2, ::3] = float("inf")
     x[3, ::5] = float("nan")
@@ -95,6 +106,13 @@ def test_ties_nan_inf_and_signed_zeros():
     assert values[0].isnan().all() and values[5, 0].isnan() and values[5, 1] == -1
     _, indices = sparsefuse.topk(x[4:5], 250)
     assert torch.equal(indices[0], torch.arange(1, 500, 2, device=DEVICE))  # the +0 columns, above the -0 ones
+
+
+def test_integer_k_types():
+    x = rows(2, 50, torch.float32)
+    np = pytest.importorskip("numpy")
+    for k in (np.int64(4), torch.tensor(4)):
+        assert torch.equal(sparsefuse.topk(x, k)[0], x.topk(4).values)
 
 
 def test_shapes_strides_and_empty():
@@ -134,9 +152,10 @@ def test_torch_compile_fullgraph_parity():
         (torch.zeros(3, 4), 5, ValueError, r"k must be an integer in \[1, 4\].*got 5"),
         (torch.zeros(3, 4), 2.0, ValueError, r"got 2.0"),
         (torch.zeros(3, 4), True, ValueError, r"got True"),
+        (torch.zeros(3, 4), torch.tensor(2.0), ValueError, r"got tensor\(2\.\)"),
         ("x", 1, TypeError, r"x must be a tensor, got str"),
     ],
-    ids=["int-dtype", "0-dim", "k0", "k-above-F", "k-float", "k-bool", "not-tensor"],
+    ids=["int-dtype", "0-dim", "k0", "k-above-F", "k-float", "k-bool", "k-float-tensor", "not-tensor"],
 )
 def test_bad_input_errors(x, k, exc, match):
     with pytest.raises(exc, match=match):
@@ -148,12 +167,16 @@ def test_bad_input_errors(x, k, exc, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("F,k", [(65536, 32), (65536, 64), (65536, 128), (24577, 64), (131072, 256), (65536, 1152)])
+@pytest.mark.parametrize("F,k", [(65536, 32), (65536, 64), (65536, 128), (24577, 64), (131072, 256), (65536, 512),
+                                 (512, 512), (65536, 1152)])
 def test_gpu_encoder_sizes(dtype, F, k):
     """The SAE encoder's selection at real sizes; k = 1152 (AuxK's default at D = 2304) takes
-    torch.topk. A few NaN and -inf entries included."""
+    torch.topk. A few NaN (both signs) and -inf entries included."""
     x = torch.randn(512, F, device="cuda", dtype=torch.float32).relu().to(dtype)
     x[0, 5] = float("nan")
+    if kernels.row_topk_block(F, k):  # (torch.topk itself, the fallback, may rank this NaN lower on CUDA)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        x[2, 9] = torch.tensor(SIGN_NAN[dtype], dtype=bits).view(dtype)
     x[1, :100] = float("-inf")
     assert_topk(x, k, *sparsefuse.topk(x, k))
 
