@@ -165,8 +165,7 @@ def breakdown(B=4096, K=64, F=65536, D=2304, dtype=torch.bfloat16, device="cuda"
     from triton.testing import do_bench
 
     from ..sae import reference
-    from ..sae.ops import sparse_linear
-    from ..sae.ops import topk
+    from ..sae.ops import sparse_linear, topk
 
     model = TopKSAE(D, F, K, hierarchical=True, auxk_alpha=0.0, device=device, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)

@@ -1109,9 +1109,10 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
 # values lies in a chosen block: a block left out has a maximum m no larger than any chosen block's,
 # so the chosen blocks hold K values >= m, and the left-out block's values (all <= m) are not needed
 # to make up the K largest. Steps (2) and (3) select by radix: on order-preserving integer keys of
-# the floats (NaN above +inf, as torch.topk ranks it), the K-th largest key is set one bit at a time
-# from the top, counting the keys above each candidate; entries above it are taken, then entries equal
-# to it in order until there are K. The K winners are sorted by key, then column.
+# the floats (every NaN above +inf, as the CPU's torch.topk ranks it), the K-th largest key is set
+# one bit at a time from the top, counting the keys above each candidate; entries above it are
+# taken, then entries equal to it in order until there are K. The K winners are sorted by key, then
+# column.
 
 
 @triton.jit

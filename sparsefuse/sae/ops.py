@@ -524,8 +524,8 @@ def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         floats compare: of +0.0 and -0.0 the kernel takes +0.0 first); every NaN, whatever its sign
         bit, ranks above every number, as torch.topk ranks it on the CPU (CUDA's torch.topk did not
         always: a NaN with its sign bit set, in a row of 500 at k = 40, came below the numbers).
-        Among equal values the lower column comes first (torch.topk leaves that order open, so its
-        indices can differ there). float64 rows, k > 512, and rows whose k is too large a share of
+        Among equal values the kernel takes the lower column first (torch.topk, which CPU tensors
+        take without the Triton interpreter, leaves that order open, so indices can differ there). float64 rows, k > 512, and rows whose k is too large a share of
         F for the kernel's buffers (``kernels.row_topk_block``) take torch.topk itself, with its
         own NaN order.
     """
