@@ -77,6 +77,17 @@ def nan_filled_empty(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of asking, for a spawned process group's rendezvous.
+    The operating system picks it, so two pytest-xdist workers spawning groups at once do not
+    collide on a fixed port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def end_spawned_worker() -> None:
     """Leave a spawned process-group worker once its results are saved and its group destroyed,
     skipping interpreter finalisation: gloo's background threads can abort the process (SIGABRT,

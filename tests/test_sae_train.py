@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from sparsefuse.sae.data import load_activations, synthetic_activations
 from sparsefuse.sae.modules import TopKSAE
 from sparsefuse.sae.train import TrainConfig, feature_recovery, train_sae
 
-from helpers import end_spawned_worker
+from helpers import end_spawned_worker, free_port
 
 TINY = ["--steps", "12", "--n-samples", "256", "--eval-rows", "64", "--batch-size", "32", "--latents", "16",
         "--k", "4", "--d-model", "8", "--features", "12", "--mean-active", "3", "--quiet"]
@@ -275,9 +274,7 @@ def _ddp_worker(rank, world, port, path):
 def _spawn(world, path, monkeypatch):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for k, v in _plain_env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

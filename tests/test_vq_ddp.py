@@ -6,7 +6,6 @@ CPU tier: gloo, two CPU processes. GPU tier: NCCL, one process per GPU, when two
 """
 
 import os
-import socket
 import sys
 
 import pytest
@@ -15,12 +14,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(device):
@@ -81,9 +74,10 @@ def _worker(rank, port, backend, out_dir):
 
 def _check(tmp_path, backend):
     """Every case of CASES in one process group (a spawn costs seconds, an update milliseconds)."""
-    mp.spawn(_worker, args=(_free_port(), backend, str(tmp_path)), nprocs=WORLD, join=True)
+    from helpers import assert_close, free_port
+
+    mp.spawn(_worker, args=(free_port(), backend, str(tmp_path)), nprocs=WORLD, join=True)
     device = "cuda" if backend == "nccl" else "cpu"
-    from helpers import assert_close
 
     for semantics, rows0 in CASES:
         case = f"{semantics}, rank 0 with {rows0} of 26 rows"
