@@ -64,8 +64,9 @@ _FINISH_BLOCK, _FINISH_WARPS = 1024, 4
 _SCALE_CAST_BLOCK, _SCALE_CAST_WARPS = (1024 if INTERPRET else 4096), 8
 # Row top-k (_row_topk_kernel): one program per row holds at most _TOPK_MAX_BLOCKS block maxima and
 # _TOPK_MAX_CANDIDATES entries of the chosen blocks, and reads the row _TOPK_STEP entries a step; 4
-# warps, 8 from _TOPK_WIDE keys held at once (H200 sweep, scripts/probe_row_topk.py, session 40: at
-# F = 65536, K = 64 / 128 / 256, fp32, 0.60 / 1.24 / 1.45 ms with 4 warps, 0.68 / 0.78 / 0.71 with 8).
+# warps, 8 from _TOPK_WIDE keys held at once (_row_topk_warps; H200 sweep, scripts/probe_row_topk.py,
+# session 40: at F = 65536, K = 64 / 128 / 256, fp32, 0.60 / 1.24 / 1.45 ms with 4 warps, 0.68 / 0.78 /
+# 0.71 with 8). Steps of 2048-16384 entries were within 5% of 4096 (session 41).
 _TOPK_MAX_BLOCKS = 4096
 _TOPK_MAX_CANDIDATES = 8192
 _TOPK_STEP = 4096
@@ -1208,6 +1209,14 @@ def row_topk_block(F: int, k: int) -> int:
     return 0 if best is None else best[1]
 
 
+def _row_topk_warps(NB: int, NC: int, bits: int) -> int:
+    """8 warps once a selection holds _TOPK_WIDE keys (NB block maxima or NC candidates), else 4;
+    16-bit rows keep 4 while only the block maxima are that wide (one H200, session 41: bf16
+    [4096, 65536] at k = 128 took 0.456 ms with 4 warps and 0.537 with 8, and [2048, 131072] at
+    k = 64 took 0.353 and 0.411; float32 [4096, 65536] at k = 128 took 1.26 with 4 and 0.78 with 8)."""
+    return 8 if NC >= _TOPK_WIDE or (NB >= _TOPK_WIDE and bits == 32) else 4
+
+
 def row_topk(x: torch.Tensor, k: int, block: int = 0, num_warps: int = 0) -> torch.Tensor:
     """int64 [N, k]: the columns of the k largest entries of each row of x [N, F], largest first.
     ``block`` and ``num_warps`` override the launch heuristics (tests and probes). float64 rows, and
@@ -1229,5 +1238,5 @@ def row_topk(x: torch.Tensor, k: int, block: int = 0, num_warps: int = 0) -> tor
     launch(_row_topk_kernel, (N,), (x, blk, pick, pack, out, F, x.stride(0), k),
            dict(C=C, NB=NB, KP=KP, STEP=max(min(_TOPK_STEP, NB * C), C), BITS=_TOPK_KEYS[x.dtype][0],
                 INF=_TOPK_KEYS[x.dtype][1]),
-           num_warps or (8 if max(NB, KP * C) >= _TOPK_WIDE else 4))
+           num_warps or _row_topk_warps(NB, KP * C, _TOPK_KEYS[x.dtype][0]))
     return out
