@@ -1119,23 +1119,28 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
 @triton.jit
 def _order_key(x, BITS: tl.constexpr, INF: tl.constexpr):
     """Unsigned sort key of a float (BITS = 32 for float32, 16 for float16 / bfloat16; INF the bits
-    of +inf) in [0, 2**BITS), as int64: ordered as the floats are, every NaN (whatever its sign bit)
-    above +inf, -0 just below +0. NaN is told from the bits, not by x != x, which the interpreter
-    does not see for 16-bit floats (it holds them as integers)."""
+    of +inf), as uint32 in [1, 2**BITS): ordered as the floats are, every NaN (whatever its sign bit)
+    above +inf, -0 just below +0. Key 0 belongs to a NaN (all bits set), which takes the NaN key
+    instead, so 0 is free to mark "no entry". NaN is told from the bits, not by x != x, which the
+    interpreter does not see for 16-bit floats (it holds them as integers)."""
     if BITS == 32:
         u = x.to(tl.int32, bitcast=True)
     else:
         u = x.to(tl.int16, bitcast=True).to(tl.int32)
     key = u ^ ((u >> (BITS - 1)) & ((1 << (BITS - 1)) - 1))  # negative floats: reverse their order
     key = tl.where((u & ((1 << (BITS - 1)) - 1)) > INF, (1 << (BITS - 1)) - 1, key)
-    return key.to(tl.int64) + (1 << (BITS - 1))
+    if BITS == 32:
+        key = key ^ -2147483648  # the signed key, offset by 2**31 (as bits)
+    else:
+        key = key + (1 << (BITS - 1))
+    return key.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def _kth_largest(ukey, k, BITS: tl.constexpr):
-    """The k-th largest of ``ukey`` (a 1-D block of keys in [0, 2**BITS); -1 marks no entry): the
-    largest t with at least k keys >= t, set one bit at a time from the top."""
-    t = tl.zeros([], dtype=tl.int64)
+    """The k-th largest of ``ukey`` (a 1-D uint32 block of keys below 2**BITS; 0 marks no entry):
+    the largest t with at least k keys >= t, set one bit at a time from the top."""
+    t = tl.zeros([], dtype=tl.uint32)
     for i in tl.static_range(BITS):
         c = t | (1 << (BITS - 1 - i))
         t = tl.where(tl.sum((ukey >= c).to(tl.int32), axis=0) >= k, c, t)
@@ -1166,12 +1171,12 @@ def _row_topk_kernel(x_ptr, blk_ptr, pick_ptr, pack_ptr, out_ptr, F, stride_x, k
     o_c = tl.arange(0, C)
     for start in range(0, NB, STEP // C):
         cols = (start + o_r)[:, None] * C + o_c[None, :]
-        u = tl.where(cols < F, _order_key(tl.load(x_row + cols, mask=cols < F, other=0), BITS, INF), -1)
-        tl.store(blk_ptr + row * NB + start + o_r, tl.max(u, axis=1), mask=start + o_r < NB)
+        u = tl.where(cols < F, _order_key(tl.load(x_row + cols, mask=cols < F, other=0), BITS, INF), 0)
+        tl.store(blk_ptr + row * NB + start + o_r, tl.max(u, axis=1).to(tl.int32, bitcast=True), mask=start + o_r < NB)
     tl.debug_barrier()  # the maxima are read back below by other threads of this program
     # 2. the k blocks with the largest maxima, their ids into slots 0 .. k-1
     o_b = tl.arange(0, NB)
-    ub = tl.load(blk_ptr + row * NB + o_b)
+    ub = tl.load(blk_ptr + row * NB + o_b).to(tl.uint32, bitcast=True)
     chosen = _take_k(ub, _kth_largest(ub, k, BITS), k)
     tl.store(pick_ptr + row * KP + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, o_b, mask=chosen)
     tl.debug_barrier()
@@ -1180,10 +1185,10 @@ def _row_topk_kernel(x_ptr, blk_ptr, pick_ptr, pack_ptr, out_ptr, F, stride_x, k
     blk = tl.load(pick_ptr + row * KP + o_e // C, mask=o_e // C < k, other=0)
     cols = blk * C + o_e % C
     ok = (o_e // C < k) & (cols < F)
-    u = tl.where(ok, _order_key(tl.load(x_row + cols, mask=ok, other=0), BITS, INF), -1)
+    u = tl.where(ok, _order_key(tl.load(x_row + cols, mask=ok, other=0), BITS, INF), 0)
     take = _take_k(u, _kth_largest(u, k, BITS), k)
     # sorted by key, then by column: the signed key in the high 32 bits, 2**32 - 1 - column below
-    packed = ((u - (1 << (BITS - 1))) << 32) + (4294967295 - cols.to(tl.int64))
+    packed = ((u.to(tl.int64) - (1 << (BITS - 1))) << 32) + (4294967295 - cols.to(tl.int64))
     tl.store(pack_ptr + row * KP + tl.cumsum(take.to(tl.int32), axis=0) - 1, packed, mask=take)
     tl.debug_barrier()
     o_k = tl.arange(0, KP)
@@ -1231,7 +1236,7 @@ def row_topk(x: torch.Tensor, k: int, block: int = 0, num_warps: int = 0) -> tor
         x = x.contiguous()
     NB, KP = next_pow2(cdiv(F, C)), next_pow2(k)
     dev = x.device
-    blk = torch.empty(N, NB, device=dev, dtype=torch.int64)
+    blk = torch.empty(N, NB, device=dev, dtype=torch.int32)  # uint32 keys, as bits
     pick = torch.empty(N, KP, device=dev, dtype=torch.int32)
     pack = torch.empty(N, KP, device=dev, dtype=torch.int64)
     out = torch.empty(N, k, device=dev, dtype=torch.int64)
