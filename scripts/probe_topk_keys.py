@@ -1,8 +1,9 @@
-"""sparsefuse.topk with 32-bit keys (this tree) against the 64-bit keys of the committed tree, on one GPU.
+"""sparsefuse.topk as in this tree against the committed kernel (HEAD), on one GPU.
 
-Needs sparsefuse/sae/_kernels_head.py, the previous kernels module (``git show
-HEAD:sparsefuse/sae/kernels.py``), beside the current one. Round-robin rounds in one process;
-each result checked against the other (identical indices) and against torch.topk's values. JSON
+Needs sparsefuse/sae/_kernels_head.py, the committed kernels module (``git show
+HEAD:sparsefuse/sae/kernels.py > sparsefuse/sae/_kernels_head.py``), beside the current one.
+(Session 42 ran it first with int64 keys at HEAD and int32 keys in the tree.) Round-robin rounds
+in one process; each result checked against the other (identical indices) and against torch.topk's values. JSON
 lines to $OUT/probe_topk_keys.jsonl, flushed per shape.
 
     python scripts/probe_topk_keys.py
@@ -36,11 +37,11 @@ def main():
             assert torch.equal(a, b), "indices differ"
             want = x.float().cpu().topk(k, dim=-1).values
             assert torch.equal(x.gather(-1, b).float().cpu().nan_to_num(7.0), want.nan_to_num(7.0)), "values"
-            times = {"torch": [], "int64 keys": [], "int32 keys": []}
+            times = {"torch": [], "HEAD": [], "tree": []}
             for _ in range(3):
                 times["torch"].append(do_bench(lambda: x.topk(k, dim=-1, sorted=True), warmup=5, rep=30))
-                times["int64 keys"].append(do_bench(lambda: old.row_topk(x, k), warmup=5, rep=30))
-                times["int32 keys"].append(do_bench(lambda: new.row_topk(x, k), warmup=5, rep=30))
+                times["HEAD"].append(do_bench(lambda: old.row_topk(x, k), warmup=5, rep=30))
+                times["tree"].append(do_bench(lambda: new.row_topk(x, k), warmup=5, rep=30))
             row = dict(B=B, F=F, k=k, dtype=str(dtype)[6:], C=new.row_topk_block(F, k),
                        ms={n: statistics.median(t) for n, t in times.items()}, rounds=times)
             print(json.dumps(row["ms"] | dict(B=B, F=F, k=k, dtype=row["dtype"])), flush=True)

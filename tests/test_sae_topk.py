@@ -65,6 +65,26 @@ def test_every_block_width(F, k, dtype):
             kernels.row_topk(x, k, block=bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_winners_crowded_into_one_block(dtype):
+    """The winners crowded into a block or two, far from the other blocks' maxima: the k-th largest
+    entry lies well above the k-th largest block maximum (the lower end of the second selection's
+    range), in another binade or across the sign, with more than k candidates above the bits that
+    range shares; and a row whose winners span +inf and NaN."""
+    F, k = 256, 8
+    x = rows(4, F, dtype, seed=3) * 0.1
+    x[0, 40:52] = 100 + torch.arange(12.0)  # 12 candidates above the range's shared bits, for 8 places
+    x[1] = -100 - x[1].abs()
+    x[1, 200:212] = -1 - torch.arange(12.0)
+    x[2] = -1 - x[2].abs()
+    x[2, 96:108] = 1 + torch.arange(12.0)
+    x[3, 16:20] = float("inf")
+    x[3, 20:24] = float("nan")
+    for C in (0, 4, 8):
+        values = x.gather(-1, idx := kernels.row_topk(x, k, block=C))
+        assert_topk(x, k, values, idx)
+
+
 def test_default_block_width():
     """Fewest block maxima plus candidates within the caps; 0 (torch.topk) where none fits."""
     assert kernels.row_topk_block(65536, 64) == 32

@@ -1148,6 +1148,23 @@ def _kth_largest(ukey, k, BITS: tl.constexpr):
 
 
 @triton.jit
+def _kth_largest_between(ukey, k, lo, hi, BITS: tl.constexpr):
+    """_kth_largest for an answer known to lie in [lo, hi]: the bits lo and hi share are the
+    answer's too, so only the bits below them take a counting round."""
+    diff = lo ^ hi
+    n = tl.zeros([], dtype=tl.int32)  # the bit length of diff
+    for i in tl.static_range(BITS):
+        n = tl.where((diff >> i) != 0, i + 1, n)
+    one = tl.full([], 1, tl.uint32)
+    low = tl.where(n > 0, ((one << tl.maximum(n - 1, 0).to(tl.uint32)) << 1) - 1, 0)
+    t = lo - (lo & low)
+    for j in range(0, n):
+        c = t | (one << (n - 1 - j).to(tl.uint32))
+        t = tl.where(tl.sum((ukey >= c).to(tl.int32), axis=0) >= k, c, t)
+    return t
+
+
+@triton.jit
 def _take_k(ukey, t, k):
     """Mask of exactly k entries of ``ukey`` whose k-th largest is t: every key above t, then those
     equal to t in order until there are k."""
@@ -1177,7 +1194,8 @@ def _row_topk_kernel(x_ptr, blk_ptr, pick_ptr, pack_ptr, out_ptr, F, stride_x, k
     # 2. the k blocks with the largest maxima, their ids into slots 0 .. k-1
     o_b = tl.arange(0, NB)
     ub = tl.load(blk_ptr + row * NB + o_b).to(tl.uint32, bitcast=True)
-    chosen = _take_k(ub, _kth_largest(ub, k, BITS), k)
+    t_blk = _kth_largest(ub, k, BITS)
+    chosen = _take_k(ub, t_blk, k)
     tl.store(pick_ptr + row * KP + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, o_b, mask=chosen)
     tl.debug_barrier()
     # 3. the k largest entries of the chosen blocks
@@ -1186,7 +1204,8 @@ def _row_topk_kernel(x_ptr, blk_ptr, pick_ptr, pack_ptr, out_ptr, F, stride_x, k
     cols = blk * C + o_e % C
     ok = (o_e // C < k) & (cols < F)
     u = tl.where(ok, _order_key(tl.load(x_row + cols, mask=ok, other=0), BITS, INF), 0)
-    take = _take_k(u, _kth_largest(u, k, BITS), k)
+    # the k chosen blocks hold k keys >= t_blk, so the k-th largest entry lies in [t_blk, max]
+    take = _take_k(u, _kth_largest_between(u, k, t_blk, tl.max(ub, axis=0), BITS), k)
     # sorted by key, then by column: the signed key in the high 32 bits, 2**32 - 1 - column below
     packed = ((u.to(tl.int64) - (1 << (BITS - 1))) << 32) + (4294967295 - cols.to(tl.int64))
     tl.store(pack_ptr + row * KP + tl.cumsum(take.to(tl.int32), axis=0) - 1, packed, mask=take)
