@@ -1235,9 +1235,11 @@ def row_topk_block(F: int, k: int) -> int:
 
 def _row_topk_warps(NB: int, NC: int, bits: int) -> int:
     """8 warps once a selection holds _TOPK_WIDE keys (NB block maxima or NC candidates), else 4;
-    16-bit rows keep 4 while only the block maxima are that wide (one H200, session 41: bf16
-    [4096, 65536] at k = 128 took 0.456 ms with 4 warps and 0.537 with 8, and [2048, 131072] at
-    k = 64 took 0.353 and 0.411; float32 [4096, 65536] at k = 128 took 1.26 with 4 and 0.78 with 8)."""
+    16-bit rows keep 4 while only the block maxima are that wide. One H200, session 42 (32-bit keys,
+    the narrowed second selection): bf16 [4096, 65536] at k = 128 took 0.333 ms with 4 warps and
+    0.371 with 8, and [2048, 131072] at k = 64 0.268 and 0.297; float32 [2048, 131072] at k = 64
+    0.422 with 4 and 0.407 with 8, at k = 128 0.918 and 0.525. Of 16 SAE-sized shapes the rule
+    missed the faster count once, by 5% (``benchmarks/logs/probe_topk_warps_session42_h200.jsonl``)."""
     return 8 if NC >= _TOPK_WIDE or (NB >= _TOPK_WIDE and bits == 32) else 4
 
 
