@@ -3,8 +3,8 @@
 Needs sparsefuse/sae/_kernels_head.py, the committed kernels module (``git show
 HEAD:sparsefuse/sae/kernels.py > sparsefuse/sae/_kernels_head.py``), beside the current one.
 (Session 42 ran it first with int64 keys at HEAD and int32 keys in the tree.) Round-robin rounds
-in one process; each result checked against the other (identical indices) and against torch.topk's values. JSON
-lines to $OUT/probe_topk_keys.jsonl, flushed per shape.
+in one process; each result checked against the other (identical indices) and against
+torch.topk's values. JSON lines to $OUT/probe_topk_keys.jsonl, flushed per shape.
 
     python scripts/probe_topk_keys.py
 """

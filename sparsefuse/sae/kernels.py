@@ -1139,13 +1139,19 @@ def _order_key(x, BITS: tl.constexpr, INF: tl.constexpr):
 
 
 @triton.jit
+def _radix_round(ukey, k, t, bit):
+    """One counting round: t with ``bit`` set if at least k keys are >= that, else t."""
+    c = t | bit
+    return tl.where(tl.sum((ukey >= c).to(tl.int32), axis=0) >= k, c, t)
+
+
+@triton.jit
 def _kth_largest(ukey, k, BITS: tl.constexpr):
     """The k-th largest of ``ukey`` (a 1-D uint32 block of keys below 2**BITS; 0 marks no entry):
     the largest t with at least k keys >= t, set one bit at a time from the top."""
     t = tl.zeros([], dtype=tl.uint32)
     for i in tl.static_range(BITS):
-        c = t | (1 << (BITS - 1 - i))
-        t = tl.where(tl.sum((ukey >= c).to(tl.int32), axis=0) >= k, c, t)
+        t = _radix_round(ukey, k, t, 1 << (BITS - 1 - i))
     return t
 
 
@@ -1161,8 +1167,7 @@ def _kth_largest_between(ukey, k, lo, hi, BITS: tl.constexpr):
     low = tl.where(n > 0, ((one << tl.maximum(n - 1, 0).to(tl.uint32)) << 1) - 1, 0)
     t = lo - (lo & low)
     for j in range(0, n):
-        c = t | (one << (n - 1 - j).to(tl.uint32))
-        t = tl.where(tl.sum((ukey >= c).to(tl.int32), axis=0) >= k, c, t)
+        t = _radix_round(ukey, k, t, one << (n - 1 - j).to(tl.uint32))
     return t
 
 
