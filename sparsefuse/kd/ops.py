@@ -13,21 +13,21 @@ log-softmax over the vocabulary, ``"tail"`` full plus the (K+1)-th bucket
 (1 - P) log((1 - P) / (1 - Q)) (a KL over K + 1 outcomes, never negative). Masked slots are left out
 of every sum and normaliser; a token with no unmasked slot contributes 0 and gets a zero gradient.
 
-Teacher slots. Padding slots must be masked (``target_mask``) for ``"topk"`` and ``"tail"`` (and
-so for the gathered form): an unmasked slot enters the student's normaliser (lse_K, Q) whatever its
+Teacher slots. Padding slots must be masked (``target_mask``) for ``"topk"`` and ``"tail"`` (and so
+for the gathered form): an unmasked slot enters the student's normaliser (lse_K, Q) whatever its
 log-prob, so a padding log-prob of -1e9 or -inf does not remove it there (it does under ``"full"``,
-where p = 0 makes the slot contribute nothing). The unmasked ids of a token should be distinct, as
-a teacher's top-K ids are: ``"tail"`` requires it (its K slots and the tail must be K + 1 distinct
+where p = 0 makes the slot contribute nothing). The unmasked ids of a token should be distinct, as a
+teacher's top-K ids are: ``"tail"`` requires it (its K slots and the tail must be K + 1 distinct
 outcomes): with index checks on (see ``set_index_checks``) a repeated id raises ``ValueError``;
 unchecked, it poisons the token as an id outside ``[0, V)`` does (below). Under ``"full"`` repeated
-slots act as one slot with the summed probability (same gradient, the loss differs by a constant); under ``"topk"`` each slot is one outcome of the
-renormalised distribution, so a repeated id is counted twice in it. The teacher is fixed:
-``target_logprobs`` that requires grad (with grad mode on) raises ``ValueError``; pass
-``target_logprobs.detach()``. With index checks off, an unmasked id outside ``[0, V)`` makes its
-token's loss (so the loss) NaN and its whole gradient row (logits, or ``grad_hidden``) NaN in
-every mode; from hidden states the weight and bias gradients then are NaN too (the row enters every
-column), except for ``"topk"`` without cross-entropy, where the bad slot adds nothing to them (the
-token's other slots add what they would if it were masked).
+slots act as one slot with the summed probability (same gradient, the loss differs by a constant);
+under ``"topk"`` each slot is one outcome of the renormalised distribution, so a repeated id is
+counted twice in it. The teacher is fixed: ``target_logprobs`` that requires grad (with grad mode on)
+raises ``ValueError``; pass ``target_logprobs.detach()``. With index checks off, an unmasked id
+outside ``[0, V)`` makes its token's loss (so the loss) NaN and its whole gradient row (logits, or
+``grad_hidden``) NaN in every mode; from hidden states the weight and bias gradients then are NaN too
+(the row enters every column), except for ``"topk"`` without cross-entropy, where the bad slot adds
+nothing to them (the token's other slots add what they would if it were masked).
 
 Reductions: ``"sum"``; ``"mean"`` over tokens that have an unmasked slot (counted on the device);
 ``num_items_in_batch`` (a positive finite number, or a one-element tensor on the inputs' device)

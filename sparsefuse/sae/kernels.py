@@ -85,9 +85,10 @@ def _gather_config(K: int, D: int, itemsize: int) -> dict:
 
 def _decode_config(K: int, D: int, itemsize: int, loss: bool) -> dict:
     """The gather of ``_sae_decode_fwd_kernel``: BLOCK_K covers all K latents; tiles of 32 columns
-    (fewer for K > 256, keeping the tile within _GATHER_TILE up to K = 512) on a (row, column group) grid, so the gathers
-    hit L2. The loss groups GROUP * BLOCK_D >= max(K, 128) columns per program, which keeps its
-    per-group gv parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within B * (D + K) at any K.
+    (fewer for K > 256, keeping the tile within _GATHER_TILE up to K = 512) on a (row, column group)
+    grid, so the gathers hit L2. The loss groups GROUP * BLOCK_D >= max(K, 128) columns per program,
+    which keeps its per-group gv parts (P * B * K floats, P = cdiv(D, GROUP * BLOCK_D)) within
+    B * (D + K) at any K.
 
     Full TopK steps on one H200 run (F = 65536, D = 2304, B = 4096, ms at K = 32 / 64 / 128,
     ``scripts/tune_sae.py``, ``benchmarks/logs/tune_sae_session10_run3.json``): fp32 0.741 / 0.867 /
@@ -395,9 +396,10 @@ def _hierarchical_sae_bwd_kernel(
     from the saved E_0, a forward sweep walks E_j = E_{j-1} - e_{j-1} while rebuilding e_j.
 
     One program per (row, D tile), with the forward's axis order (rows fast, D tiles slow; the forward
-    takes BLOCK_B rows a program): the programs resident together share one D tile, so both the decoder reads and the atomics into the F x BLOCK_D slice of the gradient stay in
-    L2. Each step takes CHUNK latents: their decoder rows are gathered together (CHUNK loads in flight
-    rather than one), and the recurrence inside the chunk is two in-thread prefix sums,
+    takes BLOCK_B rows a program): the programs resident together share one D tile, so both the
+    decoder reads and the atomics into the F x BLOCK_D slice of the gradient stay in L2. Each step
+    takes CHUNK latents: their decoder rows are gathered together (CHUNK loads in flight rather than
+    one), and the recurrence inside the chunk is two in-thread prefix sums,
     e_j = e_{j0-1} + cumsum(v w)_j and E_j = E_{j0} - (cumsum(e)_j - e_j).
 
     WEIGHT_GRAD 3 keeps the sweep unscaled (s = 1 below) and stores v_j E_j rows, which a 16-bit dtype

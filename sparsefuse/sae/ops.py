@@ -526,9 +526,9 @@ def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         bit, ranks above every number, as torch.topk ranks it on the CPU (CUDA's torch.topk did not
         always: a NaN with its sign bit set, in a row of 500 at k = 40, came below the numbers).
         Among equal values the kernel takes the lower column first (torch.topk, which CPU tensors
-        take without the Triton interpreter, leaves that order open, so indices can differ there). float64 rows, k > 512, and rows whose k is too large a share of
-        F for the kernel's buffers (``kernels.row_topk_block``) take torch.topk itself, with its
-        own NaN order.
+        take without the Triton interpreter, leaves that order open, so indices can differ there).
+        float64 rows, k > 512, and rows whose k is too large a share of F for the kernel's buffers
+        (``kernels.row_topk_block``) take torch.topk itself, with its own NaN order.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 0:

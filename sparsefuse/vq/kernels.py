@@ -31,8 +31,8 @@ NaN scores are found from the norms of the rows and codes (a NaN entry makes its
 
 Offsets: x ([L, B, D] or [B, D]) and the codebook may pass 2^31 elements, so every program index (and
 every row or code index loaded from memory) is int64 before it multiplies a row length or stride; the
-search's codebook tile offsets are int64 where K * stride may pass 2^31 (``OFF64``), int32 otherwise. The GPU tests ``test_gpu_*_offsets_past_2_31`` check rows past 2^31
-elements.
+search's codebook tile offsets are int64 where K * stride may pass 2^31 (``OFF64``), int32
+otherwise. The GPU tests ``test_gpu_*_offsets_past_2_31`` check rows past 2^31 elements.
 """
 
 from __future__ import annotations

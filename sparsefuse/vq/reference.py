@@ -261,9 +261,10 @@ def nearest_code(x, codebook, cosine=False):
     """(codes [B] int64, dist [B] float32/float64) by brute force; ties go to the lowest index.
 
     Squared Euclidean distance, or with ``cosine`` the squared distance between the unit vectors,
-    2 - 2 cos(x, c), clamped at 0 against rounding. Arithmetic in float32 (float64 for float64 inputs). A NaN score ranks before
-    every number (``torch.argmin``'s order) and gives a NaN distance: a row of x holding a NaN gets
-    code 0, and a codebook row holding a NaN is the code of every row of x (the lowest such row).
+    2 - 2 cos(x, c), clamped at 0 against rounding. Arithmetic in float32 (float64 for float64
+    inputs). A NaN score ranks before every number (``torch.argmin``'s order) and gives a NaN
+    distance: a row of x holding a NaN gets code 0, and a codebook row holding a NaN is the code of
+    every row of x (the lowest such row).
     """
     dt = acc_dtype(x, codebook)
     xf, cf = x.to(dt), codebook.to(dt)
