@@ -196,6 +196,7 @@ def test_torch_compile_fullgraph_parity():
     [
         (torch.zeros(3, 4, dtype=torch.int64), 2, TypeError, r"x has dtype int64"),
         (torch.tensor(1.0), 1, ValueError, r"at least one dimension"),
+        (torch.zeros(3, 0), 1, ValueError, r"x must have at least one entry in its last dimension.*shape \(3, 0\)"),
         (torch.zeros(3, 4), 0, ValueError, r"k must be an integer in \[1, 4\].*got 0"),
         (torch.zeros(3, 4), 5, ValueError, r"k must be an integer in \[1, 4\].*got 5"),
         (torch.zeros(3, 4), 2.0, ValueError, r"got 2.0"),
@@ -203,7 +204,7 @@ def test_torch_compile_fullgraph_parity():
         (torch.zeros(3, 4), torch.tensor(2.0), ValueError, r"got tensor\(2\.\)"),
         ("x", 1, TypeError, r"x must be a tensor, got str"),
     ],
-    ids=["int-dtype", "0-dim", "k0", "k-above-F", "k-float", "k-bool", "k-float-tensor", "not-tensor"],
+    ids=["int-dtype", "0-dim", "empty-last-dim", "k0", "k-above-F", "k-float", "k-bool", "k-float-tensor", "not-tensor"],
 )
 def test_bad_input_errors(x, k, exc, match):
     with pytest.raises(exc, match=match):

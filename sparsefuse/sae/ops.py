@@ -533,6 +533,7 @@ def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension, got a 0-dim tensor")
+    check_not_empty("x", x, -1, "entry in its last dimension")
     F = x.shape[-1]
     try:
         k_int = None if isinstance(k, bool) else operator.index(k)  # an int, or a NumPy / 0-dim integer
