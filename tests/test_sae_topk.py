@@ -113,6 +113,69 @@ def test_winners_crowded_into_one_block(dtype):
         assert_topk(x, k, values, idx, exact=True)
 
 
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_neighbouring_floats(dtype):
+    """Floats one ulp apart, of both signs and both parities of the last bit: the key must reverse
+    every magnitude bit of a negative float, the lowest included."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.tensor([-1.0, -3.5, 0.75, 2.0, -0.1], dtype=dtype).view(BITS[dtype]).long()
+    x = (base[:, None] + torch.randint(-3, 4, (5, 64), generator=g)).to(BITS[dtype]).view(dtype).to(DEVICE)
+    for k in (1, 3, 10):
+        for C in (0, 1, 4):  # (0: the default width)
+            idx = kernels.row_topk(x, k, block=C)
+            assert_topk(x, k, x.gather(-1, idx), idx, exact=True)
+    y = torch.tensor([[-1.0078125, -1.0, -3.0, -2.0]], dtype=torch.bfloat16, device=DEVICE)  # bits 0xBF81, 0xBF80
+    assert kernels.row_topk(y, 1).tolist() == [[1]]
+
+
+@pytest.mark.parametrize("step", [2, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_read_in_several_steps(monkeypatch, step, dtype):
+    """The block maxima are read _TOPK_STEP entries a step, and the CPU tier's rows fit in one step:
+    a smaller step makes several, and steps narrower than a block (the step is raised to C)."""
+    monkeypatch.setattr(kernels, "_TOPK_STEP", step)
+    x = rows(3, 120, dtype, seed=7)
+    x[1, 100:] = 50.0  # the winners in the last steps only
+    for k in (1, 5):
+        for C in (1, 4, 16):
+            idx = kernels.row_topk(x, k, block=C)
+            assert_topk(x, k, x.gather(-1, idx), idx, exact=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scratch_slots_written_exactly(monkeypatch, dtype):
+    """Each row writes exactly slots [0, k) of its own row of the pick and pack scratch, and nothing
+    past the last row (the output cannot show this: the interpreter runs rows one after another, so
+    a row writing into the next row's slots, or one slot too many, is overwritten before it is
+    read). The first rows hold more entries tied at the maximum than k, in fewer than k blocks, so
+    the second selection's range must reach up to the row maximum itself."""
+    launch, calls = kernels.launch, []
+
+    def guarded(fn, grid, args, meta, num_warps, *rest):
+        x, blk, pick, pack, out, F, stride, k = args
+        N = x.shape[0]
+        mark = -7
+        big = [torch.full((N + 1, t.shape[1]), mark, dtype=t.dtype, device=t.device) for t in (blk, pick, pack)]
+        launch(fn, grid, (x, *(b[:N] for b in big), out, F, stride, k), meta, num_warps, *rest)
+        for name, b in zip(("blk", "pick", "pack"), big):
+            assert (b[N] == mark).all(), f"{name}: written past the last row"
+        for name, b in zip(("pick", "pack"), big[1:]):
+            assert (b[:N, k:] == mark).all() and (b[:N, :k] != mark).all(), f"{name}: not exactly slots [0, k)"
+        calls.append(k)
+
+    monkeypatch.setattr(kernels, "launch", guarded)
+    x = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.75, 0.0, 0.0, 0.0]] * 2, dtype=dtype, device=DEVICE)
+    assert kernels.row_topk(x, 2, block=4).tolist() == [[0, 1], [0, 1]]
+    y = torch.randint(-3, 3, (4, 500)).to(device=DEVICE, dtype=dtype)
+    for k, C in ((1, 0), (3, 4), (40, 0), (250, 1)):
+        idx = kernels.row_topk(y, k, block=C)
+        assert_topk(y, k, y.gather(-1, idx), idx, exact=True)
+    assert calls == [2, 1, 3, 40, 250]
+
+
 def test_default_block_width():
     """Fewest block maxima plus candidates within the caps; 0 (torch.topk) where none fits."""
     assert kernels.row_topk_block(65536, 64) == 32
