@@ -157,13 +157,15 @@ def test_scratch_slots_written_exactly(monkeypatch, dtype):
     def guarded(fn, grid, args, meta, num_warps, *rest):
         x, blk, pick, pack, out, F, stride, k = args
         N = x.shape[0]
-        mark = -7
-        big = [torch.full((N + 1, t.shape[1]), mark, dtype=t.dtype, device=t.device) for t in (blk, pick, pack)]
+        # the marker: the dtype's least value, which no block id and no packed (key, column) takes
+        big = [torch.full((N + 1, t.shape[1]), torch.iinfo(t.dtype).min, dtype=t.dtype, device=t.device)
+               for t in (blk, pick, pack)]
         launch(fn, grid, (x, *(b[:N] for b in big), out, F, stride, k), meta, num_warps, *rest)
-        for name, b in zip(("blk", "pick", "pack"), big):
-            assert (b[N] == mark).all(), f"{name}: written past the last row"
-        for name, b in zip(("pick", "pack"), big[1:]):
-            assert (b[:N, k:] == mark).all() and (b[:N, :k] != mark).all(), f"{name}: not exactly slots [0, k)"
+        marked = [b == torch.iinfo(b.dtype).min for b in big]
+        for name, m in zip(("blk", "pick", "pack"), marked):
+            assert m[N].all(), f"{name}: written past the last row"
+        for name, m in zip(("pick", "pack"), marked[1:]):
+            assert m[:N, k:].all() and not m[:N, :k].any(), f"{name}: not exactly slots [0, k)"
         calls.append(k)
 
     monkeypatch.setattr(kernels, "launch", guarded)
