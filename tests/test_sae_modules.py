@@ -34,6 +34,22 @@ def test_encode_sorted_and_relu():
     assert torch.equal(pre.gather(1, idx), vals)
 
 
+@pytest.mark.parametrize("encoder", ["sparse", "dense"])
+def test_selection_goes_through_sparsefuse_topk(encoder, monkeypatch):
+    """The sparse encoder chooses its latents (encode, the forward's K, AuxK's candidates) through
+    sparsefuse.topk, the dense one through torch.topk: both give the same values, so only the calls
+    tell them apart, and a sparse encoder back on torch.topk would be 6-9x slower at real sizes."""
+    calls = []
+    real = modules.topk
+    monkeypatch.setattr(modules, "topk", lambda a, k: calls.append(k) or real(a, k))
+    m = _model(False, encoder=encoder)
+    m.tokens_since_fired[::3] = 10**9  # dead latents, so AuxK selects too
+    m.config["dead_tokens"] = 100
+    m.encode(_x())
+    assert m(_x()).auxk_loss > 0
+    assert calls == ([K, K, m.config["k_aux"]] if encoder == "sparse" else [])
+
+
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["topk", "hierarchical"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("encoder", ["sparse", "dense"])
