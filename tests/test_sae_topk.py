@@ -14,6 +14,9 @@ from sparsefuse.sae import kernels
 from helpers import DEVICE, assert_compile_parity
 
 
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}  # same-width ints
+
+
 def rows(N, F, dtype, *, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(N, F, generator=g).to(device=device, dtype=dtype)
@@ -113,9 +116,6 @@ def test_winners_crowded_into_one_block(dtype):
         assert_topk(x, k, values, idx, exact=True)
 
 
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_neighbouring_floats(dtype):
     """Floats one ulp apart, of both signs and both parities of the last bit: the key must reverse
@@ -202,7 +202,7 @@ SIGN_NAN = {torch.float32: -0x400000, torch.bfloat16: -0x40, torch.float16: -0x2
 def test_ties_nan_inf_and_signed_zeros(dtype):
     x = torch.randint(-3, 3, (6, 500)).to(device=DEVICE, dtype=dtype)  # every value repeated
     x[0, 7] = float("nan")
-    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    bits = BITS[dtype]
     x[0, 400] = torch.tensor(SIGN_NAN[dtype], dtype=bits).view(dtype)
     assert x[0, 400].isnan() and x[0, 400].view(bits) < 0
     x[1] = float("-inf")
@@ -289,7 +289,7 @@ def test_gpu_encoder_sizes(dtype, F, k):
     x = torch.randn(512, F, device="cuda", dtype=torch.float32).relu().to(dtype)
     x[0, 5] = float("nan")
     if kernels.row_topk_block(F, k):  # (torch.topk itself, the fallback, may rank this NaN lower on CUDA)
-        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        bits = BITS[dtype]
         x[2, 9] = torch.tensor(SIGN_NAN[dtype], dtype=bits).view(dtype)
     x[1, :100] = float("-inf")
     assert_topk(x, k, *sparsefuse.topk(x, k))
