@@ -1,12 +1,12 @@
-"""A/B of eager vq_ema_update against an older checkout, on one GPU machine (host time moves a lot
-from one machine start to the next, so only an interleaved comparison on one machine means much).
+"""A/B of eager vq_ema_update across checkouts, on one GPU machine (host time moves a lot from one
+machine start to the next, so only an interleaved comparison on one machine means much).
 
-    mkdir .old && git archive <commit> sparsefuse | tar -x -C .old   # the old package, untracked
-    python scripts/ab_vq_ema_host.py $PWD                             # GPU
+    mkdir -p .ab/old && git archive <commit> sparsefuse | tar -x -C .ab/old   # untracked packages
+    python scripts/ab_vq_ema_host.py $PWD .ab/old [.ab/older ...]              # GPU
 
 Each version runs in its own process, four interleaved rounds; per case the eager update and the
 same update replayed from a CUDA graph (device time only). Session 12's output:
-benchmarks/logs/vq_ema_ab_session12.log.
+benchmarks/logs/vq_ema_ab_session12.log; session 44's: vq_ema_ab_session44_h200.log.
 """
 import subprocess
 import sys
@@ -34,6 +34,6 @@ for sem in ("active", "laplace"):
 print(res)
 '''
 for r in range(4):
-    for name, path in (("old", sys.argv[1] + "/.old"), ("new", sys.argv[1])):
+    for path in sys.argv[1:]:
         out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True)
-        print(r, name, out.stdout.strip()[-400:], out.stderr.strip()[-300:] if out.returncode else "")
+        print(r, path, out.stdout.strip()[-400:], out.stderr.strip()[-300:] if out.returncode else "", flush=True)

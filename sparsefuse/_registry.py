@@ -144,7 +144,8 @@ def _without_autocast(reference: Callable) -> Callable:
     return run
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: exact types of plain tensors (a subclass, such as FakeTensor or a wrapper, is not one)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def plain_eager(args) -> bool:
@@ -162,7 +163,7 @@ def plain_eager(args) -> bool:
     if torch._C._len_torch_dispatch_stack():
         return False
     for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or not (a.is_cuda or a.is_cpu)):
+        if isinstance(a, torch.Tensor) and (type(a) not in PLAIN_TYPES or not (a.is_cuda or a.is_cpu)):
             return False
     return True
 

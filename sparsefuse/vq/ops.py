@@ -170,13 +170,14 @@ def check_ema_options(semantics, decay, eps, threshold=0.0, reset_cluster_size=N
 def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, semantics, decay, eps, threshold=0.0,
                       reset_cluster_size=None, restart_after_steps=0, generator=None):
     check_ema_options(semantics, decay, eps, threshold, reset_cluster_size, restart_after_steps)
-    grad = torch.is_grad_enabled()
+    grad, compiling = torch.is_grad_enabled(), torch.compiler.is_compiling()
     state = dict(codebook=codebook, cluster_size=cluster_size, embed_sum=embed_sum, steps_since_active=counters)
     for name, t in state.items():
         if isinstance(t, Tensor):
             if grad and t.requires_grad:  # the state must not require grad (overlaps fail the contiguity checks)
                 check_in_place(name, t)  # raises, naming it
-            check_not_inference(name, t)
+            if not compiling and t.is_inference():
+                check_not_inference(name, t)  # raises outside inference mode, naming it
     if generator is not None:
         if torch.compiler.is_compiling():
             raise ValueError(_GENERATOR_COMPILE)
