@@ -8,6 +8,7 @@ Each version runs in its own process, four interleaved rounds; per case the eage
 same update replayed from a CUDA graph (device time only). Session 12's output:
 benchmarks/logs/vq_ema_ab_session12.log; session 44's: vq_ema_ab_session44_h200.log.
 """
+import os
 import subprocess
 import sys
 
@@ -34,6 +35,6 @@ for sem in ("active", "laplace"):
 print(res)
 '''
 for r in range(4):
-    for path in sys.argv[1:]:
+    for path in map(os.path.abspath, sys.argv[1:]):  # the child checks its import against it
         out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True)
         print(r, path, out.stdout.strip()[-400:], out.stderr.strip()[-300:] if out.returncode else "", flush=True)

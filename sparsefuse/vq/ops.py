@@ -179,7 +179,7 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
             if not compiling and t.is_inference():
                 check_not_inference(name, t)  # raises outside inference mode, naming it
     if generator is not None:
-        if torch.compiler.is_compiling():
+        if compiling:
             raise ValueError(_GENERATOR_COMPILE)
         if isinstance(codebook, Tensor) and generator.device.type != codebook.device.type:
             raise ValueError(f"generator is on {generator.device} but the codebook is on {codebook.device}")
