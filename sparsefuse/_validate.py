@@ -169,9 +169,8 @@ def check_disjoint(named: dict) -> None:
         return
     tensors = [t for t in named.values() if t is not None]
     if all(type(t) in PLAIN_TYPES for t in tensors):  # the common case, in about a third of the time
-        try:  # distinct buffers: nothing below could match (meta and empty tensors give 0)
-            ptrs = {t.untyped_storage().data_ptr() for t in tensors}
-            if len(ptrs) == len(tensors) and 0 not in ptrs:
+        try:  # distinct storages: no pair below could match
+            if len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors):
                 return
         except NotImplementedError:  # a functorch wrapper: no storage to read (see _has_memory)
             pass
