@@ -138,3 +138,8 @@ def test_readme_has_the_api_blocks():
 def test_the_check_catches_a_call_that_does_not_fit(bad, message):
     with pytest.raises((AssertionError, AttributeError), match=message):
         _checked_calls(bad)
+
+
+def test_readme_names_every_public_name():
+    text = README.read_text()
+    assert not [name for name in sparsefuse.__all__ if name not in text]
