@@ -293,6 +293,51 @@ def test_hierarchical_is_mean_of_prefix_topk_losses():
 
 
 @pytest.mark.parametrize("op", list(OPS))
+def test_rows_padded_with_zero_vals(op):
+    """The README's recipe for rows with fewer latents (BatchTopK, JumpReLU): pad to a common K
+    with vals 0 and index 0. The decode and the TopK loss, with their weight and bias gradients and
+    the real slots' vals gradients, are those of the unpadded rows; the Hierarchical loss counts a
+    padded slot as one more prefix equal to the row's full reconstruction."""
+    B, K, pad, F, D = 5, 3, 4, 11, 13
+    idx, weight, vals, bias, target = make(B, K, F, D, torch.float64)
+    padded_idx = torch.cat([idx, idx.new_zeros(B, pad)], dim=1)
+    padded_vals = torch.cat([vals, vals.new_zeros(B, pad)], dim=1)
+    ours, _ = OPS[op]
+    got = value_and_grads(ours, padded_idx, weight, padded_vals, bias, target)
+    if op == "hierarchical":
+        h = sparsefuse.hierarchical_sae_loss(idx, weight, vals, bias, target)
+        full = sparsefuse.topk_sae_loss(idx, weight, vals, bias, target)
+        torch.testing.assert_close(got[0], (K * h + pad * full) / (K + pad), rtol=1e-12, atol=0)
+        return
+    want = value_and_grads(ours, idx, weight, vals, bias, target)
+    for name, a, b in zip(["value", "grad_weight", "grad_vals", "grad_bias"], got, want):
+        torch.testing.assert_close(a[:, :K] if name == "grad_vals" else a, b, rtol=1e-12, atol=1e-15, msg=name)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hierarchical_zero_value_in_a_non_finite_row(deterministic):
+    """The atomic backward skips the adds of latents whose value is 0, which add +-0 unless their
+    suffix error holds a non-finite entry: there 0 * inf = NaN must still reach the weight gradient,
+    as the reference gives it, in that column only. Latent 2 of row 1 (value 0) has a feature no
+    other slot uses; target[1, 2] is infinite. Where the reference's gradient is +-inf ours may be
+    NaN (the README: the suffix sums walk down from the row's total), so the comparison is of which
+    entries are finite, and of the finite values."""
+    B, K, F, D = 3, 4, 9, 5
+    idx, weight, vals, bias, target = make(B, K, F, D, torch.float32)
+    idx[idx == F - 1] = 0
+    idx[1, 2], vals[1, 2] = F - 1, 0.0
+    target[1, 2] = float("inf")
+    fn = lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=deterministic)  # noqa: E731
+    got = value_and_grads(fn, idx, weight, vals, bias, target)
+    want = value_and_grads(ref.hierarchical_sae_loss, idx, weight, vals, bias, target)
+    assert torch.isnan(got[1][F - 1, 2]) and (got[1][F - 1, [0, 1, 3, 4]] == 0).all()
+    for a, b in zip(got, want):
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite)
+        torch.testing.assert_close(a[finite], b[finite].to(a.dtype))
+
+
+@pytest.mark.parametrize("op", list(OPS))
 def test_non_finite_values_propagate(op):
     idx, weight, vals, bias, target = make(4, 3, 6, 10, torch.float32)
     used = int(idx[1, 0])
