@@ -13,6 +13,8 @@ both losses, median of three do_bench rounds:
 The Hierarchical default backward adds every slot's row to the weight gradient with atomics, padded
 or not, so ``pad0`` puts B·K/2 adds on one row's addresses; the segmented sums (TopK, and the
 deterministic Hierarchical) take a crowded feature through their chunk partials.
+
+Optional: argv[2] K (default 64); argv[3] the steps to time, from "topk,hier,det" (default all).
 """
 import json
 import statistics
@@ -24,7 +26,9 @@ from triton.testing import do_bench
 import sparsefuse as sf
 from sparsefuse.bench.sae import make_inputs
 
-B, K, F, D = 4096, 64, 65536, 2304
+B, F, D = 4096, 65536, 2304
+K = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+STEPS = sys.argv[3].split(",") if len(sys.argv) > 3 else ["topk", "hier", "det"]
 out = {"sparsefuse": sf.__file__, "shape": dict(B=B, K=K, F=F, D=D), "ms": {}}
 
 
@@ -49,8 +53,9 @@ def run(dt):
     for label, (ids, vals) in cases.items():
         vals = vals.clone().requires_grad_()
         ps = [w, vals, b]
-        bench(f"topk {name} {label}", lambda: torch.autograd.grad(sf.topk_sae_loss(ids, w, vals, b, t), ps))
-        for det in (False, True):
+        if "topk" in STEPS:
+            bench(f"topk {name} {label}", lambda: torch.autograd.grad(sf.topk_sae_loss(ids, w, vals, b, t), ps))
+        for det in [d for d, step in ((False, "hier"), (True, "det")) if step in STEPS]:
             bench(f"hier {'det' if det else 'default'} {name} {label}", lambda: torch.autograd.grad(
                 sf.hierarchical_sae_loss(ids, w, vals, b, t, deterministic=det), ps))
 
