@@ -24,11 +24,11 @@ def old_topk(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias
     return grad_vals, grad_weight, grad_bias
 
 
-def old_hier(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, bias_dtype, mode):
+def old_hier(grad_loss, indices, vals, etot, gv, stage, num_features, weight_dtype, bias_dtype, mode):
     B, D = etot.shape
     K = gv.shape[-1]
     gc = grad_loss.to(etot.dtype) * (2.0 / max(B * K * D, 1))
-    grad_vals, grad_bias = kn._finish_vals_bias(gv, etot.sum(0), gc, vals_dtype, bias_dtype)
+    grad_vals, grad_bias = kn._finish_vals_bias(gv, etot.sum(0), gc, vals.dtype, bias_dtype)
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:

@@ -111,6 +111,7 @@ def _segment_chunks_kernel(
     D,
     NC,
     row_div,
+    NKEYS,
     CHUNK: tl.constexpr,
     WEIGHTED: tl.constexpr,
     HAS_WSUM: tl.constexpr,
@@ -125,8 +126,9 @@ def _segment_chunks_kernel(
     if i_lo + CHUNK > M:
         return
     keys_ptr += i_l * M
-    if tl.load(keys_ptr + i_lo) != tl.load(keys_ptr + i_lo + CHUNK - 1):
-        return
+    key = tl.load(keys_ptr + i_lo)
+    if (key != tl.load(keys_ptr + i_lo + CHUNK - 1)) | (key < 0) | (key >= NKEYS):
+        return  # several keys, or one that owns no segment (entries left out of every sum)
     order_ptr += i_l * M
     rows_ptr += i_l * R * D
     o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -147,11 +149,12 @@ def _segment_chunks_kernel(
                  mask=tl.program_id(1) == 0)
 
 
-def chunk_partials(sorted_keys, order, weights, rows, row_div, chunk, acc, block_d, want_wsum):
+def chunk_partials(sorted_keys, order, weights, rows, row_div, chunk, acc, block_d, want_wsum, nkeys):
     """Launch ``_segment_chunks_kernel``: (part [L, NC, D], wpart [L, NC] or None), NC = cdiv(M, chunk).
 
     ``sorted_keys`` / ``order`` are [M] or [L, M]; ``rows`` is [R, D] or [L, R, D] (contiguous);
-    ``weights`` is None or indexed by entry id (contiguous, M per level); ``acc`` a torch dtype."""
+    ``weights`` is None or indexed by entry id (contiguous, M per level); ``acc`` a torch dtype.
+    Keys outside [0, nkeys) own no segment: their chunks are not summed."""
     M = sorted_keys.shape[-1]
     L = sorted_keys.shape[0] if sorted_keys.dim() == 2 else 1
     R, D = rows.shape[-2], rows.shape[-1]
@@ -161,7 +164,7 @@ def chunk_partials(sorted_keys, order, weights, rows, row_div, chunk, acc, block
     if NC:  # D = 0 still needs the weight sums
         e = min(chunk, max(4, min(32, _TILE // block_d)))
         launch(_segment_chunks_kernel, (NC, max(cdiv(D, block_d), 1), L),
-               (sorted_keys, order, weights, rows, part, wpart, M, R, D, NC, row_div),
+               (sorted_keys, order, weights, rows, part, wpart, M, R, D, NC, row_div, nkeys),
                dict(CHUNK=chunk, WEIGHTED=weights is not None, HAS_WSUM=want_wsum,
                     ACC=tl_dtype(acc), BLOCK_D=block_d, E=e), _WARPS)
     return part, wpart

@@ -314,27 +314,52 @@ def test_rows_padded_with_zero_vals(op):
         torch.testing.assert_close(a[:, :K] if name == "grad_vals" else a, b, rtol=1e-12, atol=1e-15, msg=name)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_hierarchical_zero_value_in_a_non_finite_row(deterministic):
-    """The atomic backward skips the adds of latents whose value is 0, which add +-0 unless their
-    suffix error holds a non-finite entry: there 0 * inf = NaN must still reach the weight gradient,
+def _two_pass_hierarchical(*args, deterministic):
+    """hierarchical_sae_loss through its two-pass ops (forward, then a backward that sweeps again),
+    which it takes when the forward cannot run the backward's sweep ahead (not fusable)."""
+    from sparsefuse.sae import ops
+
+    return ops._hier_op(*args, deterministic)[0]
+
+
+_ZERO_VALUE_CASES = [
+    pytest.param("topk", False, torch.float32, id="topk-fp32"),
+    pytest.param("hierarchical", False, torch.float32, id="hierarchical-atomic-fp32"),
+    pytest.param("hierarchical", True, torch.float32, id="hierarchical-deterministic-fp32"),
+    pytest.param("two-pass", True, torch.float32, id="two-pass-deterministic-fp32"),
+    pytest.param("two-pass", False, torch.float32, id="two-pass-atomic-fp32"),
+    pytest.param("topk", False, torch.bfloat16, id="topk-bf16", marks=pytest.mark.gpu),
+    pytest.param("hierarchical", False, torch.bfloat16, id="hierarchical-staged-bf16", marks=pytest.mark.gpu),
+    pytest.param("hierarchical", True, torch.bfloat16, id="hierarchical-deterministic-bf16", marks=pytest.mark.gpu),
+    pytest.param("two-pass", True, torch.bfloat16, id="two-pass-deterministic-bf16", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("op,deterministic,dtype", _ZERO_VALUE_CASES)
+def test_zero_value_in_a_non_finite_row(op, deterministic, dtype):
+    """Every weight-gradient path leaves out latents whose value is 0 (the atomic backward skips
+    their adds; the segmented sums leave them out of the sorted entries), which add +-0 unless
+    their error holds a non-finite entry: there 0 * inf = NaN must still reach the weight gradient,
     as the reference gives it, in that column only. Latent 2 of row 1 (value 0) has a feature no
     other slot uses; target[1, 2] is infinite. Where the reference's gradient is +-inf ours may be
     NaN (the README: the suffix sums walk down from the row's total), so the comparison is of which
     entries are finite, and of the finite values."""
     B, K, F, D = 3, 4, 9, 5
-    idx, weight, vals, bias, target = make(B, K, F, D, torch.float32)
+    idx, weight, vals, bias, target = make(B, K, F, D, dtype)
     idx[idx == F - 1] = 0
     idx[1, 2], vals[1, 2] = F - 1, 0.0
     target[1, 2] = float("inf")
-    fn = lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=deterministic)  # noqa: E731
+    fn = {"topk": sparsefuse.topk_sae_loss,
+          "hierarchical": lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=deterministic),
+          "two-pass": lambda *a: _two_pass_hierarchical(*a, deterministic=deterministic)}[op]
     got = value_and_grads(fn, idx, weight, vals, bias, target)
-    want = value_and_grads(ref.hierarchical_sae_loss, idx, weight, vals, bias, target)
+    want = value_and_grads(OPS["topk" if op == "topk" else "hierarchical"][1], idx,
+                           *(t.double() for t in (weight, vals, bias, target)))
     assert torch.isnan(got[1][F - 1, 2]) and (got[1][F - 1, [0, 1, 3, 4]] == 0).all()
-    for a, b in zip(got, want):
+    for name, a, b in zip(["value", "grad_weight", "grad_vals", "grad_bias"], got, want):
         finite = torch.isfinite(b)
-        assert torch.equal(torch.isfinite(a), finite)
-        torch.testing.assert_close(a[finite], b[finite].to(a.dtype))
+        assert torch.equal(torch.isfinite(a), finite), name
+        assert_close(a[finite], b[finite], dtype, name)
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -694,6 +719,58 @@ def test_weight_grad_takes_whole_chunks_only_from_their_partial_sums(monkeypatch
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_weight_grad_leaves_out_zero_values(monkeypatch, weighted):
+    """``skip``: entries whose value is 0 and whose gv parts are all finite leave the sorted entries
+    (their key becomes F, which owns no segment), so rows padded at one index make no crowded
+    feature. Half of every row is padded at feature 0, which one real entry uses too. The rows of
+    the skipped entries are 1e300: the gradient must not see them, and the chunk kernel must leave
+    the chunks they fill alone (their partial sums stay torch.empty's NaN). Entry (5, 3) is padding
+    too, but one of its gv parts is infinite, as where its error row holds an inf: it stays, and
+    feature 0 gets NaN in that column only (weighted: 0 * inf; unweighted rows are staged v * E,
+    where that product is already NaN)."""
+    from sparsefuse import _segsum
+    from sparsefuse.sae import kernels
+
+    monkeypatch.setattr(_segsum, "MIN_CHUNK", 4)
+    B, K, F, D = 16, 4, 7, 5
+    idx, _, vals, _, target = make(B, K, F, D, torch.float64)
+    idx = idx % (F - 1) + 1
+    idx[:, 2:], vals[:, 2:] = 0, 0.0
+    idx[0, 0] = 0
+    gv = torch.randn(2, B, K, dtype=torch.float64, device=DEVICE)
+    gv[1, 5, 3] = float("inf")
+    rows = target.repeat_interleave(K, dim=0).reshape(B, K, D).clone()
+    kept = vals != 0
+    kept[5, 3] = True
+    rows[~kept] = 1e300
+    rows[5, 3, 1] = float("inf") if weighted else float("nan")
+    rows = rows.reshape(B * K, D)
+    seg, order, sorted_keys = kernels.feature_segments(idx, F, (vals, gv))
+    assert int(seg[F]) == int(kept.sum()) and (sorted_keys[int(seg[F]):] == F).all()
+    seen = []
+
+    def partials(sorted_keys_, order_, *args):
+        part, wpart = _segsum.chunk_partials(sorted_keys_, order_, *args)
+        chunk = args[3]
+        for c in range(sorted_keys_.numel() // chunk):
+            if int(sorted_keys_[c * chunk]) == F:
+                seen.append(c)
+                assert part[0, c].isnan().all(), f"chunk {c} holds only skipped entries but got a partial sum"
+        return part, wpart
+
+    monkeypatch.setattr(kernels, "chunk_partials", partials)
+    w = vals if weighted else None
+    got = kernels.weight_grad(idx, rows, w, F, torch.float64, row_per_entry=True, skip=(vals, gv))
+    assert seen  # whole chunks of skipped entries exist
+    flat = kept.reshape(-1)
+    ew = (vals if weighted else torch.ones_like(vals)).reshape(-1, 1)
+    want = torch.zeros(F, D, dtype=torch.float64, device=DEVICE).index_add_(
+        0, idx.reshape(-1)[flat], ew[flat] * rows[flat])
+    assert want[0].isnan().tolist() == [False, True, False, False, False]
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
 @pytest.mark.parametrize("op", ["decode", "topk", "hierarchical"])
 def test_dense_latents_match_fp64_reference(monkeypatch, op):
     """Every op whose weight gradient is a segmented sum (deterministic mode for Hierarchical), with
@@ -800,7 +877,7 @@ def test_opcheck_hierarchical_fused_ops(need_weight, deterministic, dtype):
     _, etot, gv, stage = torch.ops.sparsefuse.hierarchical_sae_loss_grads(*args)
     mode = 0 if not need_weight else 2 if deterministic else 1
     torch.library.opcheck(torch.ops.sparsefuse.hierarchical_sae_loss_finish.default,
-                          (torch.tensor(0.5, device=DEVICE), idx, etot, gv, stage, 4, dtype, dtype, dtype, mode))
+                          (torch.tensor(0.5, device=DEVICE), idx, vals.detach(), etot, gv, stage, 4, dtype, dtype, mode))
 
 
 @pytest.mark.parametrize("op", list(OPS) + ["hierarchical-fused"])

@@ -61,6 +61,7 @@ _SEG_BLOCK_D, _SEG_WARPS = (128, 4) if INTERPRET else (512, 2)
 # Elementwise passes: one row of D per program (unit rows), a flat block per program (the rest).
 _UNIT_ROWS_MAX_D, _UNIT_ROWS_WARPS = 1024, 4
 _FINISH_BLOCK, _FINISH_WARPS = 1024, 4
+_KEYS_BLOCK, _KEYS_WARPS = 1024, 4
 _SCALE_CAST_BLOCK, _SCALE_CAST_WARPS = (1024 if INTERPRET else 4096), 8
 # Row top-k (_row_topk_kernel): one program per row holds at most _TOPK_MAX_BLOCKS block maxima and
 # _TOPK_MAX_CANDIDATES entries of the chosen blocks, and reads the row _TOPK_STEP entries a step; 4
@@ -667,24 +668,57 @@ def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Te
     return torch.arange(n, device=device, dtype=dtype)
 
 
-def feature_segments(indices, num_features):
+@triton.jit
+def _segment_keys_kernel(idx_ptr, vals_ptr, gv_ptr, keys_ptr, M, F, P, SKIP: tl.constexpr, BLOCK: tl.constexpr):
+    """keys[e] = indices.flat[e] clamped to [-1, F] (an out-of-range id, index checks off, stays out of
+    every feature's segment instead of wrapping onto one), in keys' dtype. SKIP: F, which owns no
+    segment, for an entry whose value is 0 and whose gv parts ([P, M]) are all finite."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < M
+    key = tl.minimum(tl.maximum(tl.load(idx_ptr + o, mask=m, other=0), -1), F)
+    if SKIP:
+        drop = tl.load(vals_ptr + o, mask=m, other=1) == 0
+        for p in range(P):
+            drop &= tl.abs(tl.load(gv_ptr + p * M + o, mask=m, other=0)) < float("inf")
+        key = tl.where(drop, F, key)
+    tl.store(keys_ptr + o, key.to(keys_ptr.dtype.element_ty), mask=m)
+
+
+def feature_segments(indices, num_features, skip=None):
     """(seg [F + 1], order [B * K], sorted keys [B * K]): entries sorted stably by feature; feature f
     owns the sorted entries seg[f] .. seg[f + 1] - 1 (out-of-range ids, index checks off, fall in no
-    segment)."""
+    segment).
+
+    ``skip = (vals [B, K], gv [P, B, K])`` also leaves out every entry whose value is 0 and whose gv
+    parts are finite. gv[., b, k] is a dot product of latent (b, k)'s decoder row with the error its
+    weight-gradient row is v[b, k] times (TopK's residual row; a Hierarchical suffix error), so where
+    it is finite that error is finite, and the row adds only +-0 to a sum that starts at +0 (never
+    -0): leaving it out changes no sum, beyond where a long segment's chunks begin (still fixed by
+    the inputs, so still deterministic). Where the error holds an inf or a NaN the entry stays, and
+    0 * inf = NaN reaches the gradient as in the reference. Rows padded with zero values (BatchTopK,
+    JumpReLU) then cost only their real entries, and padding at one index makes no crowded feature
+    (README, "Rows with fewer active latents")."""
     keys = indices.reshape(-1)
-    if keys.dtype == torch.int64 and num_features < 2**31 - 1:
-        # a radix sort over 4-byte keys takes half the time; the clamp keeps an out-of-range index
-        # (index checks off) outside every segment instead of wrapping onto a real feature. (Session
-        # 11 tried narrowing without the clamp, the weight-gradient kernel checking each entry's id
-        # instead: one host op fewer a step, but 9% more time in that kernel at K = 64.)
-        keys = keys.clamp(-1, num_features).to(torch.int32)
+    narrow = keys.dtype == torch.int64 and num_features < 2**31 - 1
+    if skip is not None or narrow:
+        # one pass writes the keys: 4-byte keys where they fit (a radix sort over them takes half the
+        # time), clamped (session 11 tried narrowing without the clamp, the weight-gradient kernel
+        # checking each entry's id instead: one host op fewer a step, but 9% more time in that
+        # kernel at K = 64), F for the skipped entries
+        src = keys.contiguous()
+        keys = torch.empty(src.numel(), device=src.device, dtype=torch.int32 if narrow else src.dtype)
+        vals, gv = (None, None) if skip is None else (skip[0].contiguous(), skip[1].contiguous())
+        if src.numel():
+            _launch(_segment_keys_kernel, (cdiv(src.numel(), _KEYS_BLOCK),), src, vals, gv, keys, src.numel(),
+                    num_features, 0 if gv is None else gv.shape[0], SKIP=skip is not None, BLOCK=_KEYS_BLOCK,
+                    num_warps=_KEYS_WARPS)
     sorted_keys, order = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
     return seg, order, sorted_keys
 
 
 def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=None,
-                row_per_entry=False, wsum=None, out=None, segments=None):
+                row_per_entry=False, wsum=None, out=None, segments=None, skip=None):
     """Segmented sum: out[f] = scale * sum_{e: indices.flat[e] == f} w[e] * rows[row(e)].
 
     ``row(e) = e // K`` (rows is [B, D]) or ``e`` (``row_per_entry``, rows is [B * K, D]).
@@ -692,8 +726,9 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
     ``wsum``: optional [F] output that receives sum_{e: indices.flat[e] == f} w[e] (unscaled) in the
     same pass. ``out``: an [F, D] destination with unit column stride (a column slice of a wider
     gradient) instead of a new tensor; ``segments``: :func:`feature_segments` of ``indices``, when the
-    caller reduces several column chunks. Entries are sorted stably by feature, so the sum order, and
-    the result, is fixed run to run.
+    caller reduces several column chunks; ``skip``: its (vals, gv), to leave out the entries whose
+    value is 0 and whose gv is finite (they add nothing). Entries are sorted stably by feature, so the
+    sum order, and the result, is fixed run to run.
     """
     B, K = indices.shape
     D = rows.shape[-1]
@@ -701,13 +736,13 @@ def weight_grad(indices, rows, entry_weights, num_features, out_dtype, *, scale=
         out = torch.empty(num_features, D, device=rows.device, dtype=out_dtype)
     if num_features == 0 or (D == 0 and wsum is None):
         return out
-    seg, order, sorted_keys = feature_segments(indices, num_features) if segments is None else segments
+    seg, order, sorted_keys = feature_segments(indices, num_features, skip) if segments is None else segments
     rows = rows.contiguous()
     weights = None if entry_weights is None else entry_weights.contiguous()
     acc = acc_dtype(rows, entry_weights)
     chunk = chunk_size(B * K, rows.shape[0])
     part, wpart = chunk_partials(sorted_keys, order, weights, rows, 1 if row_per_entry else K, chunk, acc,
-                                 _SEG_BLOCK_D, wsum is not None and weights is not None)
+                                 _SEG_BLOCK_D, wsum is not None and weights is not None, num_features)
     grid = (num_features, max(cdiv(D, _SEG_BLOCK_D), 1))
     _launch(_sae_weight_grad_kernel, grid,
         seg, order, weights, rows, part, wpart, scale, out, wsum, K, D, out.stride(0),
@@ -898,7 +933,7 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad,
     # the column sum first, while no F x D gradient exists: PyTorch's sum over rows can hold a
     # transient of about 2 B*D floats (72 MiB at B = 4096, D = 2304), which would add to the peak
     colsum = resid.sum(0)
-    grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
+    grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc, skip=(vals, gv))
                    if need_weight_grad else weight.new_empty(0))
     # queued behind the weight gradient's kernel, so that where the host lags the GPU (small steps)
     # this launch's host time overlaps that kernel (a few tens of us; within the noise of an H200
@@ -1025,8 +1060,7 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     return row_loss.sum(), etot, gv, stage
 
 
-def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, bias_dtype,
-                              mode):
+def hierarchical_grads_finish(grad_loss, indices, vals, etot, gv, stage, num_features, weight_dtype, bias_dtype, mode):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ``bias_dtype``) from the
     fused forward's unscaled results, scaled by g * c (g = grad_loss, a device scalar: no host sync).
     Reads ``gv`` and ``stage`` and writes new tensors (a second backward sees them unchanged)."""
@@ -1043,9 +1077,15 @@ def hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features,
             _launch(_scale_cast_kernel, (cdiv(n, _SCALE_CAST_BLOCK),), stage, grad_weight, gc, n,
                     ACC=tl_dtype(etot.dtype), BLOCK=_SCALE_CAST_BLOCK, num_warps=_SCALE_CAST_WARPS)
     else:
-        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True)
-    grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype)  # behind the long launch
+        grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True,
+                                  skip=(vals, gv))
+    grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals.dtype, bias_dtype)  # behind the long launch
     return grad_vals, grad_weight, grad_bias
+
+
+def _gv_skip(vals, gv):
+    """``skip`` for :func:`feature_segments` from the backward's gv ([T, B, K] tile partials, or [B, K])."""
+    return vals, gv if gv.dim() == 3 else gv[None]
 
 
 def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
@@ -1075,7 +1115,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     elif mode == 3:
         grad_weight = torch.empty(F, D, device=vals.device, dtype=weight.dtype)
         buf = torch.empty(B * K, min(per_launch * cfg["BLOCK_D"], D), device=vals.device, dtype=weight.dtype)
-        segments = feature_segments(indices, F)
+    gv = None
     if B == 0 or D == 0:
         if buf is not None:
             buf.zero_()
@@ -1089,18 +1129,22 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
                 gv, None, 1, B, K, D, F, *_weight_strides(weight))
         meta = dict(HAS_BIAS=bias is not None, WEIGHT_GRAD=mode, STAGED_GV=deterministic, FUSED=False,
                     ACC=tl_dtype(acc), **cfg)
+        segments = None
         for t0 in range(0, n_tiles, per_launch):
             tiles = min(per_launch, n_tiles - t0)
             d0, d1 = t0 * cfg["BLOCK_D"], min((t0 + tiles) * cfg["BLOCK_D"], D)
             _launch(_hierarchical_sae_bwd_kernel, (_hier_grid(B, D, cfg)[0], tiles), *args, t0,
                     d1 - d0 if mode == 3 else D, **meta)
             if mode == 3:  # the chunk's rows are packed [B * K, d1 - d0] at the start of buf
+                if segments is None:  # gv is whole only in one chunk: zero values are skipped there
+                    segments = feature_segments(indices, F, _gv_skip(vals, gv) if tiles == n_tiles else None)
                 rows = buf.view(-1)[: B * K * (d1 - d0)].view(B * K, d1 - d0)
                 weight_grad(indices, rows, None, F, weight.dtype, scale=gc, row_per_entry=True,
                             out=grad_weight[:, d0:d1], segments=segments)
         grad_vals = (gv.sum(0) if deterministic else gv).to(vals.dtype)
     if mode == 2:
-        grad_weight = weight_grad(indices, buf, None, F, weight.dtype, row_per_entry=True)
+        grad_weight = weight_grad(indices, buf, None, F, weight.dtype, row_per_entry=True,
+                                  skip=None if gv is None else _gv_skip(vals, gv))
     elif mode == 1:
         grad_weight = buf.to(weight.dtype)  # no copy when ACC is the weight's dtype
     elif mode == 0:

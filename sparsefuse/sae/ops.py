@@ -389,19 +389,19 @@ def _hier_grads_fake(indices, weight, vals, bias, target, need_weight_grad, dete
             vals.new_empty(shape, dtype=stage_dtype))
 
 
-def _hier_finish_fake(grad_loss, indices, etot, gv, stage, num_features, weight_dtype, vals_dtype, bias_dtype, mode):
+def _hier_finish_fake(grad_loss, indices, vals, etot, gv, stage, num_features, weight_dtype, bias_dtype, mode):
     B, D = etot.shape
     grad_weight = etot.new_empty((num_features, D) if mode else (0,), dtype=weight_dtype)
-    return etot.new_empty(B, gv.shape[-1], dtype=vals_dtype), grad_weight, etot.new_empty(D, dtype=bias_dtype)
+    return vals.new_empty(B, gv.shape[-1]), grad_weight, etot.new_empty(D, dtype=bias_dtype)
 
 
 @register_op("hierarchical_sae_loss_finish", fake=_hier_finish_fake)
 def _hier_finish_op(
-    grad_loss: Tensor, indices: Tensor, etot: Tensor, gv: Tensor, stage: Tensor, num_features: int,
-    weight_dtype: torch.dtype, vals_dtype: torch.dtype, bias_dtype: torch.dtype, mode: int,
+    grad_loss: Tensor, indices: Tensor, vals: Tensor, etot: Tensor, gv: Tensor, stage: Tensor, num_features: int,
+    weight_dtype: torch.dtype, bias_dtype: torch.dtype, mode: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return kernels.hierarchical_grads_finish(grad_loss, indices, etot, gv, stage, num_features, weight_dtype,
-                                             vals_dtype, bias_dtype, mode)
+    return kernels.hierarchical_grads_finish(grad_loss, indices, vals, etot, gv, stage, num_features, weight_dtype,
+                                             bias_dtype, mode)
 
 
 def _hier_grads_setup(ctx, inputs, output):
@@ -409,22 +409,22 @@ def _hier_grads_setup(ctx, inputs, output):
     _, etot, gv, stage = output
     ctx.mark_non_differentiable(etot, gv, stage)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(indices, etot, gv, stage)  # not weight: its values are not needed again
+    ctx.save_for_backward(indices, vals, etot, gv, stage)  # not weight: its values are not needed again
     B, K = indices.shape
     F, D = weight.shape
     ctx.mode = kernels.hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)[0]
-    ctx.dtypes = (F, weight.dtype, vals.dtype, None if bias is None else bias.dtype, target.dtype)
+    ctx.dtypes = (F, weight.dtype, None if bias is None else bias.dtype, target.dtype)
 
 
 def _hier_grads_backward(ctx, grad_loss, _grad_etot, _grad_gv, _grad_stage):
     if grad_loss is None:
         return (None,) * 7
-    indices, etot, gv, stage = ctx.saved_tensors
+    indices, vals, etot, gv, stage = ctx.saved_tensors
     _, need_weight, need_vals, need_bias, need_target, _, _ = ctx.needs_input_grad
-    F, weight_dtype, vals_dtype, bias_dtype, target_dtype = ctx.dtypes
+    F, weight_dtype, bias_dtype, target_dtype = ctx.dtypes
     gvals = gw = gb = gt = None
     if need_weight or need_vals or need_bias:
-        gvals, gw, gb = _hier_finish_op(grad_loss, indices, etot, gv, stage, F, weight_dtype, vals_dtype,
+        gvals, gw, gb = _hier_finish_op(grad_loss, indices, vals, etot, gv, stage, F, weight_dtype,
                                         bias_dtype or etot.dtype, ctx.mode if need_weight else 0)
     if need_target:
         gt = _target_grad(grad_loss, etot, etot.numel() * indices.shape[1], target_dtype)

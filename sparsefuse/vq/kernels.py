@@ -551,7 +551,7 @@ def ema_accumulate(x, codes, cluster_size, counters, deterministic, check_codes=
             bounds = bounds.expand(L, K + 1).contiguous()
         seg = torch.searchsorted(sorted_codes, bounds)
         block_d, chunk = _block_d(D, _SEG_BLOCK_D), chunk_size(B, B)
-        part, _ = chunk_partials(sorted_codes, order, None, x, 1, chunk, torch.float32, block_d, False)
+        part, _ = chunk_partials(sorted_codes, order, None, x, 1, chunk, torch.float32, block_d, False, K)
         launch(_vq_ema_segment_kernel, (K, L),
                (x, order, seg, part, stats, cluster_size, counters, B, K, D, part.shape[1]),
                dict(HAS_COUNTERS=counters is not None, BLOCK_D=block_d, CHUNK=chunk, E=GATHER_STEP), _SEG_WARPS)
