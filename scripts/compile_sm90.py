@@ -3,8 +3,8 @@
 The CPU tier runs kernels under the interpreter, which does not type-check: a helper returning
 fp32 in one constexpr branch and fp64 in the other, or a loop-carried variable that changes type,
 only fails when the kernel is compiled for a GPU. This compiles every dtype and flag variant of the
-kernels built on ``sparsefuse/_segsum.py`` (the SAE weight gradient, the chunk kernel, the
-deterministic VQ statistics), of the KD weight gradient (accumulators, row dtypes, key dtypes,
+kernels built on ``sparsefuse/_segsum.py`` (the SAE weight gradient and its sort keys, the chunk
+kernel, the deterministic VQ statistics), of the KD weight gradient (accumulators, row dtypes, key dtypes,
 optional pointers), of the KD row kernels (dtypes, normalisations, cross-entropy) and of the "tail"
 slot marking, and exits
 non-zero naming the first that fails. Run it without ``TRITON_INTERPRET`` (tests/test_launch.py
@@ -59,9 +59,16 @@ def variants():
         yield (f"chunk kernel keys={keys} acc={acc} rows={rows} weighted={weighted} wsum={wsum}",
                _segsum._segment_chunks_kernel,
                dict(keys_ptr="*" + keys, order_ptr="*i64", w_ptr=r, rows_ptr=r, part_ptr=a, wpart_ptr=a, M="i32",
-                    R="i32", D="i32", NC="i32", row_div="i32"),
+                    R="i32", D="i32", NC="i32", row_div="i32", NKEYS="i32"),
                dict(CHUNK=128, WEIGHTED=weighted, HAS_WSUM=wsum, ACC=accs[acc], BLOCK_D=512, E=8,
                     **({} if weighted else dict(w_ptr=None)), **({} if wsum else dict(wpart_ptr=None))))
+    for (idx, keys), (vals, gv), skip in itertools.product(
+            (("i32", "i32"), ("i64", "i32"), ("i64", "i64")),
+            (("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64")), (True, False)):
+        yield (f"sae segment keys idx={idx} keys={keys} vals={vals} skip={skip}", sae._segment_keys_kernel,
+               dict(idx_ptr="*" + idx, vals_ptr="*" + vals, gv_ptr="*" + gv, keys_ptr="*" + keys, M="i32", F="i32",
+                    P="i32"),
+               dict(SKIP=skip, BLOCK=1024, **({} if skip else dict(vals_ptr=None, gv_ptr=None))))
     for x, counters in itertools.product(("fp32", "bf16", "fp16", "fp64"), (True, False)):
         yield (f"vq segment x={x} counters={counters}", vq._vq_ema_segment_kernel,
                dict(x_ptr="*" + x, order_ptr="*i64", seg_ptr="*i64", part_ptr="*fp32", stats_ptr="*fp32",
