@@ -689,7 +689,7 @@ def feature_segments(indices, num_features, skip=None):
     owns the sorted entries seg[f] .. seg[f + 1] - 1 (out-of-range ids, index checks off, fall in no
     segment).
 
-    ``skip = (vals [B, K], gv [P, B, K])`` also leaves out every entry whose value is 0 and whose gv
+    ``skip = (vals [B, K], gv [P, B, K] or [B, K])`` also leaves out every entry whose value is 0 and whose gv
     parts are finite. gv[., b, k] is a dot product of latent (b, k)'s decoder row with the error its
     weight-gradient row is v[b, k] times (TopK's residual row; a Hierarchical suffix error), so where
     it is finite that error is finite, and the row adds only +-0 to a sum that starts at +0 (never
@@ -709,9 +709,9 @@ def feature_segments(indices, num_features, skip=None):
         keys = torch.empty(src.numel(), device=src.device, dtype=torch.int32 if narrow else src.dtype)
         vals, gv = (None, None) if skip is None else (skip[0].contiguous(), skip[1].contiguous())
         if src.numel():
+            parts = 0 if gv is None else gv.numel() // src.numel()  # gv is [P, B, K] or [B, K]
             _launch(_segment_keys_kernel, (cdiv(src.numel(), _KEYS_BLOCK),), src, vals, gv, keys, src.numel(),
-                    num_features, 0 if gv is None else gv.shape[0], SKIP=skip is not None, BLOCK=_KEYS_BLOCK,
-                    num_warps=_KEYS_WARPS)
+                    num_features, parts, SKIP=skip is not None, BLOCK=_KEYS_BLOCK, num_warps=_KEYS_WARPS)
     sorted_keys, order = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
     return seg, order, sorted_keys
@@ -1083,11 +1083,6 @@ def hierarchical_grads_finish(grad_loss, indices, vals, etot, gv, stage, num_fea
     return grad_vals, grad_weight, grad_bias
 
 
-def _gv_skip(vals, gv):
-    """``skip`` for :func:`feature_segments` from the backward's gv ([T, B, K] tile partials, or [B, K])."""
-    return vals, gv if gv.dim() == 3 else gv[None]
-
-
 def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, need_weight_grad, deterministic):
     """(grad_vals vals dtype, grad_weight weight dtype or [0], grad_bias ACC), all scaled by grad_loss.
 
@@ -1137,14 +1132,14 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
                     d1 - d0 if mode == 3 else D, **meta)
             if mode == 3:  # the chunk's rows are packed [B * K, d1 - d0] at the start of buf
                 if segments is None:  # gv is whole only in one chunk: zero values are skipped there
-                    segments = feature_segments(indices, F, _gv_skip(vals, gv) if tiles == n_tiles else None)
+                    segments = feature_segments(indices, F, (vals, gv) if tiles == n_tiles else None)
                 rows = buf.view(-1)[: B * K * (d1 - d0)].view(B * K, d1 - d0)
                 weight_grad(indices, rows, None, F, weight.dtype, scale=gc, row_per_entry=True,
                             out=grad_weight[:, d0:d1], segments=segments)
         grad_vals = (gv.sum(0) if deterministic else gv).to(vals.dtype)
     if mode == 2:
         grad_weight = weight_grad(indices, buf, None, F, weight.dtype, row_per_entry=True,
-                                  skip=None if gv is None else _gv_skip(vals, gv))
+                                  skip=None if gv is None else (vals, gv))
     elif mode == 1:
         grad_weight = buf.to(weight.dtype)  # no copy when ACC is the weight's dtype
     elif mode == 0:
