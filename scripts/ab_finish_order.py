@@ -18,7 +18,7 @@ new_topk, new_hier = kn.topk_loss_bwd, kn.hierarchical_grads_finish
 def old_topk(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
     B, D = resid.shape
     gc = grad_loss.to(resid.dtype) * (2.0 / max(B * D, 1))
-    grad_vals, grad_bias = kn._finish_vals_bias(gv, resid.sum(0), gc, vals.dtype, bias_dtype)
+    grad_vals, grad_bias, _ = kn._finish_grads(gv, resid.sum(0), gc, vals, bias_dtype)
     grad_weight = (kn.weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc)
                    if need_weight_grad else weight.new_empty(0))
     return grad_vals, grad_weight, grad_bias
@@ -28,7 +28,7 @@ def old_hier(grad_loss, indices, vals, etot, gv, stage, num_features, weight_dty
     B, D = etot.shape
     K = gv.shape[-1]
     gc = grad_loss.to(etot.dtype) * (2.0 / max(B * K * D, 1))
-    grad_vals, grad_bias = kn._finish_vals_bias(gv, etot.sum(0), gc, vals.dtype, bias_dtype)
+    grad_vals, grad_bias, _ = kn._finish_grads(gv, etot.sum(0), gc, vals, bias_dtype)
     if mode == 0:
         grad_weight = torch.empty(0, device=etot.device, dtype=weight_dtype)
     elif mode == 1:

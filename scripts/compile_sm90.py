@@ -3,11 +3,11 @@
 The CPU tier runs kernels under the interpreter, which does not type-check: a helper returning
 fp32 in one constexpr branch and fp64 in the other, or a loop-carried variable that changes type,
 only fails when the kernel is compiled for a GPU. This compiles every dtype and flag variant of the
-kernels built on ``sparsefuse/_segsum.py`` (the SAE weight gradient and its sort keys, the chunk
-kernel, the deterministic VQ statistics), of the KD weight gradient (accumulators, row dtypes, key dtypes,
-optional pointers), of the KD row kernels (dtypes, normalisations, cross-entropy) and of the "tail"
-slot marking, and exits
-non-zero naming the first that fails. Run it without ``TRITON_INTERPRET`` (tests/test_launch.py
+kernels built on ``sparsefuse/_segsum.py`` (the SAE weight gradient and its sort keys, written by a
+key pass or by the backward's finishing launch, the chunk kernel, the deterministic VQ statistics),
+of the KD weight gradient (accumulators, row dtypes, key dtypes, optional pointers), of the KD row
+kernels (dtypes, normalisations, cross-entropy) and of the "tail" slot marking, and exits non-zero
+naming the first that fails. Run it without ``TRITON_INTERPRET`` (tests/test_launch.py
 does, in a subprocess)."""
 import itertools
 import os
@@ -69,6 +69,15 @@ def variants():
                dict(idx_ptr="*" + idx, vals_ptr="*" + vals, gv_ptr="*" + gv, keys_ptr="*" + keys, M="i32", F="i32",
                     P="i32"),
                dict(SKIP=skip, BLOCK=1024, **({} if skip else dict(vals_ptr=None, gv_ptr=None))))
+    for (acc, out), (idx, keys) in itertools.product(
+            (("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp16"), ("fp64", "fp64")),
+            ((None, None), ("i32", "i32"), ("i64", "i32"), ("i64", "i64"))):
+        yield (f"sae grads finish acc={acc} out={out} keys={keys}", sae._grads_finish_kernel,
+               dict(gv_ptr="*" + acc, gvals_ptr="*" + out, colsum_ptr="*" + acc, gbias_ptr="*" + out, gc_ptr="*" + acc,
+                    idx_ptr="*" + (idx or "i64"), vals_ptr="*" + out, keys_ptr="*" + (keys or "i32"), P="i32",
+                    BK="i32", D="i32", F="i32", n_vals="i32"),
+               dict(KEYS=keys is not None, ACC=accs[acc], BLOCK=1024,
+                    **({} if keys else dict(idx_ptr=None, vals_ptr=None, keys_ptr=None))))
     for x, counters in itertools.product(("fp32", "bf16", "fp16", "fp64"), (True, False)):
         yield (f"vq segment x={x} counters={counters}", vq._vq_ema_segment_kernel,
                dict(x_ptr="*" + x, order_ptr="*i64", seg_ptr="*i64", part_ptr="*fp32", stats_ptr="*fp32",

@@ -771,6 +771,40 @@ def test_weight_grad_leaves_out_zero_values(monkeypatch, weighted):
     torch.testing.assert_close(got, want, equal_nan=True)
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_finish_launch_writes_the_segment_keys(index_dtype, parts):
+    """The backward's finishing launch (``_finish_grads``) writes the weight gradient's sort keys
+    while it sums gv's parts: its segments must be those of ``feature_segments`` with
+    ``skip=(vals, gv)``, and its grad_vals / grad_bias those of the sums. Zero values with every gv
+    part finite leave; zero values with an inf, -inf or NaN part stay; out-of-range ids (index
+    checks off) clamp to -1 and F, in no feature's segment."""
+    from sparsefuse.sae import kernels
+
+    B, K, F, D = 37, 3, 5, 6
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    idx = torch.randint(0, F, (B, K), device=DEVICE, generator=g).to(index_dtype)
+    idx[0, 0], idx[1, 1] = -3, F + 2
+    vals = torch.randn(B, K, dtype=torch.float64, device=DEVICE, generator=g)
+    vals[::2, 1:] = 0.0
+    gv = torch.randn(parts, B, K, dtype=torch.float64, device=DEVICE, generator=g)
+    for (b, k), bad in zip([(2, 1), (4, 2), (6, 1)], ["inf", "-inf", "nan"]):
+        gv[parts - 1, b, k] = float(bad)
+    colsum = torch.randn(D, dtype=torch.float64, device=DEVICE, generator=g)
+    gc = torch.tensor(0.25, dtype=torch.float64, device=DEVICE)
+    grad_vals, grad_bias, (seg, order, sorted_keys) = kernels._finish_grads(
+        gv, colsum, gc, vals.float(), torch.float16, idx, F)
+    want_seg, want_order, want_keys = kernels.feature_segments(idx, F, (vals, gv))
+    assert sorted_keys.dtype == want_keys.dtype == torch.int32
+    assert torch.equal(sorted_keys, want_keys) and torch.equal(order, want_order) and torch.equal(seg, want_seg)
+    kept = (vals != 0) | ~torch.isfinite(gv).all(0)
+    assert int(seg[F]) - int(seg[0]) == int((kept & (idx >= 0) & (idx < F)).sum())
+    assert sorted_keys.min() == -1 and int(seg[F]) < B * K  # the clamped ids, and the skipped entries past F
+    assert grad_vals.dtype == torch.float32 and grad_bias.dtype == torch.float16
+    torch.testing.assert_close(grad_vals, (gv.sum(0) * 0.25).float(), equal_nan=True)
+    torch.testing.assert_close(grad_bias, (colsum * 0.25).half())
+
+
 @pytest.mark.parametrize("op", ["decode", "topk", "hierarchical"])
 def test_dense_latents_match_fp64_reference(monkeypatch, op):
     """Every op whose weight gradient is a segmented sum (deterministic mode for Hierarchical), with

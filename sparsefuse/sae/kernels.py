@@ -570,32 +570,56 @@ def _scale_cast_kernel(
 
 
 @triton.jit
+def _store_segment_key(idx_ptr, vals_ptr, keys_ptr, o, m, F, finite, SKIP: tl.constexpr):
+    """keys[o] = indices.flat[o] clamped to [-1, F] (an out-of-range id, index checks off, stays out of
+    every feature's segment instead of wrapping onto one), in keys' dtype; with SKIP, F (which owns
+    no segment) where vals.flat[o] is 0 and ``finite`` (the entry's gv parts are all finite): see
+    :func:`feature_segments`."""
+    key = tl.minimum(tl.maximum(tl.load(idx_ptr + o, mask=m, other=0), -1), F)
+    if SKIP:
+        key = tl.where((tl.load(vals_ptr + o, mask=m, other=1) == 0) & finite, F, key)
+    tl.store(keys_ptr + o, key.to(keys_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _grads_finish_kernel(
     gv_ptr,  # [P, BK] ACC: parts of gv (TopK's column groups, or the hierarchical sweep's D tiles)
     gvals_ptr,  # [BK] out, vals dtype
     colsum_ptr,  # [D] ACC: sum_b resid[b] (TopK) or sum_b E_0[b] (hierarchical)
     gbias_ptr,  # [D] out, bias dtype
     gc_ptr,  # [] ACC: g * c (c = 2 / (B * D) for TopK, 2 / (B * K * D) for the hierarchical loss)
+    idx_ptr,  # [BK] indices (KEYS)
+    vals_ptr,  # [BK] vals (KEYS)
+    keys_ptr,  # [BK] out: the weight gradient's sort keys (KEYS)
     P,
     BK,
     D,
-    n_vals,  # programs 0 .. n_vals - 1 write grad_vals, the rest grad_bias
+    F,
+    n_vals,  # programs 0 .. n_vals - 1 write grad_vals (and the keys), the rest grad_bias
+    KEYS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """grad_vals = gc * sum_p gv[p] and grad_bias = gc * colsum, each cast to its parameter's dtype:
-    one launch for what would be four or five small torch ops a step (host time at small K)."""
+    """grad_vals = gc * sum_p gv[p] and grad_bias = gc * colsum, each cast to its parameter's dtype,
+    and with KEYS the segmented sum's keys, zero-value entries left out (``_segment_keys_kernel`` with
+    SKIP, from the gv parts this kernel reads anyway): one launch for what would be five or six small
+    ops a step (host time at small K)."""
     i_p = tl.program_id(0)
     gc = tl.load(gc_ptr).to(ACC)
     if i_p < n_vals:
         o_e = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m_e = o_e < BK
         b_acc = tl.zeros([BLOCK], dtype=ACC)
+        b_finite = tl.full([BLOCK], True, tl.int1)
         p_gv = gv_ptr + o_e
         for _ in range(P):
-            b_acc += tl.load(p_gv, mask=m_e, other=0)
+            b_part = tl.load(p_gv, mask=m_e, other=0)
+            b_acc += b_part
+            b_finite &= tl.abs(b_part) < float("inf")
             p_gv += BK
         tl.store(gvals_ptr + o_e, (b_acc * gc).to(gvals_ptr.dtype.element_ty), mask=m_e)
+        if KEYS:
+            _store_segment_key(idx_ptr, vals_ptr, keys_ptr, o_e, m_e, F, b_finite, SKIP=True)
     else:
         o_d = (i_p - n_vals) * BLOCK + tl.arange(0, BLOCK)
         m_d = o_d < D
@@ -670,18 +694,20 @@ def _feature_range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Te
 
 @triton.jit
 def _segment_keys_kernel(idx_ptr, vals_ptr, gv_ptr, keys_ptr, M, F, P, SKIP: tl.constexpr, BLOCK: tl.constexpr):
-    """keys[e] = indices.flat[e] clamped to [-1, F] (an out-of-range id, index checks off, stays out of
-    every feature's segment instead of wrapping onto one), in keys' dtype. SKIP: F, which owns no
-    segment, for an entry whose value is 0 and whose gv parts ([P, M]) are all finite."""
+    """The sort keys of :func:`feature_segments` (``_store_segment_key``); SKIP reads gv's P parts
+    ([P, M]) for the zero-value test. ``_grads_finish_kernel`` writes the same keys where it runs."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < M
-    key = tl.minimum(tl.maximum(tl.load(idx_ptr + o, mask=m, other=0), -1), F)
+    finite = tl.full([BLOCK], True, tl.int1)
     if SKIP:
-        drop = tl.load(vals_ptr + o, mask=m, other=1) == 0
         for p in range(P):
-            drop &= tl.abs(tl.load(gv_ptr + p * M + o, mask=m, other=0)) < float("inf")
-        key = tl.where(drop, F, key)
-    tl.store(keys_ptr + o, key.to(keys_ptr.dtype.element_ty), mask=m)
+            finite &= tl.abs(tl.load(gv_ptr + p * M + o, mask=m, other=0)) < float("inf")
+    _store_segment_key(idx_ptr, vals_ptr, keys_ptr, o, m, F, finite, SKIP)
+
+
+def _keys_dtype(indices, num_features) -> torch.dtype:
+    """4-byte keys where the ids fit (a radix sort over them takes half the time)."""
+    return torch.int32 if num_features < 2**31 - 1 else indices.dtype
 
 
 def feature_segments(indices, num_features, skip=None):
@@ -699,19 +725,22 @@ def feature_segments(indices, num_features, skip=None):
     JumpReLU) then cost only their real entries, and padding at one index makes no crowded feature
     (README, "Rows with fewer active latents")."""
     keys = indices.reshape(-1)
-    narrow = keys.dtype == torch.int64 and num_features < 2**31 - 1
-    if skip is not None or narrow:
-        # one pass writes the keys: 4-byte keys where they fit (a radix sort over them takes half the
-        # time), clamped (session 11 tried narrowing without the clamp, the weight-gradient kernel
-        # checking each entry's id instead: one host op fewer a step, but 9% more time in that
-        # kernel at K = 64), F for the skipped entries
+    if skip is not None or keys.dtype != _keys_dtype(indices, num_features):
+        # one pass writes the keys: 4-byte keys where they fit, clamped (session 11 tried narrowing
+        # without the clamp, the weight-gradient kernel checking each entry's id instead: one host op
+        # fewer a step, but 9% more time in that kernel at K = 64), F for the skipped entries
         src = keys.contiguous()
-        keys = torch.empty(src.numel(), device=src.device, dtype=torch.int32 if narrow else src.dtype)
+        keys = torch.empty(src.numel(), device=src.device, dtype=_keys_dtype(indices, num_features))
         vals, gv = (None, None) if skip is None else (skip[0].contiguous(), skip[1].contiguous())
         if src.numel():
             parts = 0 if gv is None else gv.numel() // src.numel()  # gv is [P, B, K] or [B, K]
             _launch(_segment_keys_kernel, (cdiv(src.numel(), _KEYS_BLOCK),), src, vals, gv, keys, src.numel(),
                     num_features, parts, SKIP=skip is not None, BLOCK=_KEYS_BLOCK, num_warps=_KEYS_WARPS)
+    return sorted_segments(keys, num_features)
+
+
+def sorted_segments(keys, num_features):
+    """:func:`feature_segments` from keys already written (flat, in [-1, F])."""
     sorted_keys, order = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, _feature_range(num_features + 1, keys.device, keys.dtype))
     return seg, order, sorted_keys
@@ -910,35 +939,42 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     return row_loss.sum(), resid, gv
 
 
-def _finish_vals_bias(gv, colsum, gc, vals_dtype, bias_dtype):
-    """(grad_vals [B, K] in ``vals_dtype``, grad_bias [D] in ``bias_dtype``) = gc * (sum of gv's parts,
-    colsum), in one ``_grads_finish_kernel`` launch (gv is [P, B, K] ACC, colsum [D] ACC)."""
+def _finish_grads(gv, colsum, gc, vals, bias_dtype, indices=None, num_features=0):
+    """(grad_vals [B, K] in vals' dtype, grad_bias [D] in ``bias_dtype``, segments) = (gc * the sum of
+    gv's parts, gc * colsum, ...) in one ``_grads_finish_kernel`` launch (gv is [P, B, K] ACC, colsum
+    [D] ACC). With ``indices``, the same launch writes the sort keys of the weight gradient's
+    segmented sum, and ``segments`` is ``feature_segments(indices, num_features, skip=(vals, gv))``;
+    else None."""
     P, B, K = gv.shape
     D = colsum.shape[0]
-    grad_vals = torch.empty(B, K, device=gv.device, dtype=vals_dtype)
+    grad_vals = torch.empty(B, K, device=gv.device, dtype=vals.dtype)
     grad_bias = torch.empty(D, device=gv.device, dtype=bias_dtype)
+    keys = None if indices is None else torch.empty(B * K, device=gv.device, dtype=_keys_dtype(indices, num_features))
     n_vals = cdiv(B * K, _FINISH_BLOCK)
     grid = n_vals + cdiv(D, _FINISH_BLOCK)
     if grid:
-        _launch(_grads_finish_kernel, (grid,), gv, grad_vals, colsum, grad_bias, gc, P, B * K, D, n_vals,
-                ACC=tl_dtype(colsum.dtype), BLOCK=_FINISH_BLOCK, num_warps=_FINISH_WARPS)
-    return grad_vals, grad_bias
+        _launch(_grads_finish_kernel, (grid,), gv, grad_vals, colsum, grad_bias, gc,
+                None if keys is None else indices.contiguous(), None if keys is None else vals.contiguous(), keys,
+                P, B * K, D, num_features, n_vals,
+                KEYS=keys is not None, ACC=tl_dtype(colsum.dtype), BLOCK=_FINISH_BLOCK, num_warps=_FINISH_WARPS)
+    return grad_vals, grad_bias, None if keys is None else sorted_segments(keys, num_features)
 
 
 def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad, bias_dtype):
     """Gradients of the TopK loss scaled by grad_loss (a device scalar: no host sync): grad_vals in
     vals' dtype, grad_weight in weight's, grad_bias in ``bias_dtype``."""
     B, D = resid.shape
+    F = weight.shape[0]
     gc = grad_loss.to(resid.dtype) * (2.0 / max(B * D, 1))
     # the column sum first, while no F x D gradient exists: PyTorch's sum over rows can hold a
     # transient of about 2 B*D floats (72 MiB at B = 4096, D = 2304), which would add to the peak
     colsum = resid.sum(0)
-    grad_weight = (weight_grad(indices, resid, vals, weight.shape[0], weight.dtype, scale=gc, skip=(vals, gv))
+    # the finishing launch also writes the weight gradient's sort keys (one launch fewer than a key
+    # pass of its own, which reads gv's parts again), so it goes first
+    grad_vals, grad_bias, segments = _finish_grads(gv, colsum, gc, vals, bias_dtype,
+                                                   *((indices, F) if need_weight_grad else ()))
+    grad_weight = (weight_grad(indices, resid, vals, F, weight.dtype, scale=gc, segments=segments)
                    if need_weight_grad else weight.new_empty(0))
-    # queued behind the weight gradient's kernel, so that where the host lags the GPU (small steps)
-    # this launch's host time overlaps that kernel (a few tens of us; within the noise of an H200
-    # host in benchmarks/NOTES.md, session 21)
-    grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals.dtype, bias_dtype)
     return grad_vals, grad_weight, grad_bias
 
 
@@ -1076,10 +1112,12 @@ def hierarchical_grads_finish(grad_loss, indices, vals, etot, gv, stage, num_fea
         if n:
             _launch(_scale_cast_kernel, (cdiv(n, _SCALE_CAST_BLOCK),), stage, grad_weight, gc, n,
                     ACC=tl_dtype(etot.dtype), BLOCK=_SCALE_CAST_BLOCK, num_warps=_SCALE_CAST_WARPS)
-    else:
+    # modes 2 and 3 sum staged rows by feature: the finishing launch writes their sort keys too
+    grad_vals, grad_bias, segments = _finish_grads(gv, colsum, gc, vals, bias_dtype,
+                                                   *((indices, num_features) if mode >= 2 else ()))
+    if mode >= 2:
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True,
-                                  skip=(vals, gv))
-    grad_vals, grad_bias = _finish_vals_bias(gv, colsum, gc, vals.dtype, bias_dtype)  # behind the long launch
+                                  segments=segments)
     return grad_vals, grad_weight, grad_bias
 
 
