@@ -9,9 +9,10 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
   once and produces the loss, the residual r = recon - target [B, D] and gv[b, k] = <r_b, w_idx>
   (on a (row, column group) grid whose programs in flight share one slice of the decoder in L2,
   each group writing its own part of gv; see ``_decode_config`` and ``topk_gv_parts``). The
-  backward's ``_grads_finish_kernel`` sums the parts into grad_vals and scales the bias gradient.
-  The backward never touches the decoder again: the weight gradient is a segmented sum of residual
-  rows (``_sae_weight_grad_kernel``) over entries sorted by feature. The residual is B*D floats, so
+  backward's ``_grads_finish_kernel`` sums the parts into grad_vals, scales the bias gradient and
+  writes the sort keys of the weight gradient. The backward never touches the decoder again: the
+  weight gradient is a segmented sum of residual rows (``_sae_weight_grad_kernel``) over entries
+  sorted by feature. The residual is B*D floats, so
   those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
   deterministic.
 * Hierarchical: the gradient of row (b, j) is c * v_j * E_j with E_j = sum_{k>=j} e_k, the suffix
