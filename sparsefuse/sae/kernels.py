@@ -12,9 +12,8 @@ Data flow of the two losses (see ``ops.py`` for how autograd strings them togeth
   backward's ``_grads_finish_kernel`` sums the parts into grad_vals, scales the bias gradient and
   writes the sort keys of the weight gradient. The backward never touches the decoder again: the
   weight gradient is a segmented sum of residual rows (``_sae_weight_grad_kernel``) over entries
-  sorted by feature. The residual is B*D floats, so
-  those reads hit L2, and every gradient row is written exactly once: no atomics, no zero-fill,
-  deterministic.
+  sorted by feature. The residual is B*D floats, so those reads hit L2, and every gradient row is
+  written exactly once: no atomics, no zero-fill, deterministic.
 * Hierarchical: the gradient of row (b, j) is c * v_j * E_j with E_j = sum_{k>=j} e_k, the suffix
   sum of the prefix errors: a different vector for every (b, j), so it cannot be rebuilt from
   O(B*D) data and must be scattered. The forward sweeps the latents once and saves E_0 [B, D]; the
@@ -973,7 +972,7 @@ def topk_loss_bwd(grad_loss, indices, vals, weight, resid, gv, need_weight_grad,
     # the finishing launch also writes the weight gradient's sort keys (one launch fewer than a key
     # pass of its own, which reads gv's parts again), so it goes first
     grad_vals, grad_bias, segments = _finish_grads(gv, colsum, gc, vals, bias_dtype,
-                                                   *((indices, F) if need_weight_grad else ()))
+                                                   indices if need_weight_grad else None, F)
     grad_weight = (weight_grad(indices, resid, vals, F, weight.dtype, scale=gc, segments=segments)
                    if need_weight_grad else weight.new_empty(0))
     return grad_vals, grad_weight, grad_bias
@@ -1115,7 +1114,7 @@ def hierarchical_grads_finish(grad_loss, indices, vals, etot, gv, stage, num_fea
                     ACC=tl_dtype(etot.dtype), BLOCK=_SCALE_CAST_BLOCK, num_warps=_SCALE_CAST_WARPS)
     # modes 2 and 3 sum staged rows by feature: the finishing launch writes their sort keys too
     grad_vals, grad_bias, segments = _finish_grads(gv, colsum, gc, vals, bias_dtype,
-                                                   *((indices, num_features) if mode >= 2 else ()))
+                                                   indices if mode >= 2 else None, num_features)
     if mode >= 2:
         grad_weight = weight_grad(indices, stage, None, num_features, weight_dtype, scale=gc, row_per_entry=True,
                                   segments=segments)
