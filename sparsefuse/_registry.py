@@ -120,7 +120,14 @@ class RegisteredOp:
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
             return self._apply(*args)
-        out = self._impl(args)(*args)
+        impl = self._impl(args)
+        if impl is self._cpu_impl and self._function is None and torch.is_grad_enabled():
+            # An op without a backward records no graph, as its kernels record none: the reference
+            # would otherwise tie what it writes (VQ state, a weight's .grad) to its inputs' graph.
+            with torch.no_grad():
+                out = impl(*args)
+        else:
+            out = impl(*args)
         if self._mutated:
             bump_versions(*(args[i] for i in self._mutated))
         return out

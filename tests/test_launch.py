@@ -255,6 +255,46 @@ def test_launch_keys_never_merge_arguments_that_triton_specialises_apart(fast_pa
 # --- the eager fast path (sparsefuse/_registry.py): anything but plain eager takes the registered op
 
 
+def test_reference_path_of_ops_without_a_backward_records_no_graph():
+    """Without TRITON_INTERPRET, CPU tensors take the PyTorch references; for an op without a
+    backward they ran with grad mode on, so what they wrote took its inputs' graph, where the kernels
+    write plain values. An x that requires grad (an encoder output passed undetached) made the VQ
+    state non-leaf tensors holding x's graph, and the next update refused them ("codebook requires
+    grad"); the batch statistics required grad; and removing the radial part of a Parameter's .grad
+    turned that .grad into a tensor with a grad_fn."""
+    code = r"""
+import torch, sparsefuse, sparsefuse._registry as r
+from sparsefuse.vq import batch_statistics
+from sparsefuse.sae.ops import remove_parallel_component_
+assert not r.INTERPRET
+g = torch.Generator().manual_seed(0)
+x = torch.randn(6, 4, generator=g).requires_grad_()
+codes = torch.randint(0, 5, (6,), generator=g)
+state = [torch.randn(5, 4, generator=g), torch.rand(5, generator=g) + 1, torch.randn(5, 4, generator=g)]
+want = [t.clone() for t in state]
+for _ in range(2):  # the second update refused the state the first left
+    sparsefuse.vq_ema_update(x, codes, *state, decay=0.9)
+    with torch.no_grad():
+        sparsefuse.vq_ema_update(x, codes, *want, decay=0.9)
+for a, b in zip(state, want):
+    assert not a.requires_grad and a.grad_fn is None
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+assert not any(t.requires_grad for t in batch_statistics(x, codes, 5))
+w = torch.nn.Parameter(torch.randn(5, 4, generator=g))
+(w.sum() ** 2).backward()
+want = w.grad.clone()
+with torch.no_grad():
+    remove_parallel_component_(want, w)
+remove_parallel_component_(w.grad, w)
+assert not w.grad.requires_grad and w.grad.grad_fn is None
+torch.testing.assert_close(w.grad, want, rtol=0, atol=0)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit.trace` is deprecated")
 def test_jit_trace_records_the_registered_op():
     """Under ``torch.jit.trace`` sizes are traced tensors and a Triton launch is invisible to the
