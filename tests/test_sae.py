@@ -642,6 +642,13 @@ def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
         "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
         "        got = call()\n"
         "    assert got.dtype == want.dtype and torch.equal(got, want), (got - want).abs().max()\n"
+        "# x - x_shift in promote(x, x_shift), as the kernels and the dense F.linear(x - x_shift) form it:\n"
+        "# in float16 1000 - 0.3 rounds to 999.5 (the reference formed it in float32: 999.7)\n"
+        "xh, sh = torch.tensor([[1000., 0.]]).half(), torch.tensor([0.3, 0.]).half()\n"
+        "w = torch.eye(2, requires_grad=True)\n"
+        "out = sparsefuse.sparse_linear(xh, w, torch.zeros(1, 1, dtype=torch.long), None, sh)\n"
+        "(gw,) = torch.autograd.grad(out.sum(), [w])\n"
+        "assert out.item() == 999.5 and gw[0].tolist() == [999.5, 0.0], (out, gw)\n"
         "print('ok')\n"
     )
     _run_without_interpreter(code)

@@ -109,6 +109,24 @@ def test_frozen_x_shift_gradient_in_float16_of_a_zero_incoming_gradient():
     assert got.dtype == torch.float16 and torch.equal(got, torch.zeros_like(got))
 
 
+def test_frozen_x_shift_gradient_ignores_autocast(monkeypatch):
+    """With x frozen, grad_x_shift is one torch.mv, and CUDA autocast lists mv: run under a bf16
+    autocast (the backward inherits the forward's), it came back with bf16 error (3e-3 against
+    float64 on an H100, where the README promises float32 arithmetic). The product now runs with
+    autocast off for the tensors' device; CPU autocast does not list mv, so here the check is that
+    autocast is off where mv runs (test_gpu_frozen_x_shift_gradient_under_autocast checks values)."""
+    x, weight, idx, bias, shift = make(5, 3, 7, 6, torch.float32)
+    seen, mv = [], torch.mv
+    monkeypatch.setattr(torch, "mv", lambda *a: seen.append(torch.is_autocast_enabled(DEVICE)) or mv(*a))
+    s = shift.clone().requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = sparsefuse.sparse_linear(x, weight, idx, bias, s)
+        (got,) = torch.autograd.grad(out, [s], torch.ones_like(out))
+    assert seen == [False], seen
+    want = -(torch.ones(5, 3, dtype=torch.float64).flatten() @ weight.double()[idx.flatten()])
+    assert_close(got, want, torch.float32, "grad_x_shift")
+
+
 @pytest.mark.parametrize("shift", [True, False], ids=["shift", "noshift"])
 def test_non_contiguous_inputs(shift):
     """noshift: x reaches the kernels as it is (x - x_shift would have made a contiguous copy)."""
@@ -360,6 +378,21 @@ def test_unchecked_huge_int64_index_adds_to_no_feature():
 ])
 def test_gpu_matches_fp64_reference(dtype, B, K, F, D):
     check_against_fp64(*make(B, K, F, D, dtype), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_frozen_x_shift_gradient_under_autocast():
+    """The values behind test_frozen_x_shift_gradient_ignores_autocast: float32 inputs, the forward
+    and backward under a CUDA bf16 autocast, grad_x_shift against float64 at float32 tolerance."""
+    x, weight, idx, bias, shift = make(256, 16, 512, 384, torch.float32, device="cuda")
+    s = shift.clone().requires_grad_()
+    grad = torch.randn(256, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = sparsefuse.sparse_linear(x, weight, idx, bias, s)
+        (got,) = torch.autograd.grad(out, [s], grad)
+    want = -(grad.double().flatten() @ weight.double()[idx.flatten()])
+    assert got.dtype == torch.float32
+    assert_close(got, want, torch.float32, "grad_x_shift")
 
 
 @pytest.mark.gpu

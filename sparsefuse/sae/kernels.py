@@ -40,6 +40,7 @@ from .._launch import cdiv, launch, next_pow2
 from .._registry import INTERPRET
 from .._segsum import GATHER_STEP, chunk_partials, chunk_size, segment_sum
 from .._validate import check_index_range
+from .reference import shifted
 
 # Launch heuristics, in one place (H200 sweeps: scripts/tune_sae.py, numbers in benchmarks/NOTES.md).
 # A gather tile holds BLOCK_K x BLOCK_D <= _GATHER_TILE elements in registers (BLOCK_D stops at 16, so
@@ -796,16 +797,6 @@ def row_dot(indices, weight, rows, fbias, out_dtype, acc):
     return out
 
 
-def _shifted(x, x_shift, acc):
-    """x - x_shift, formed in promote(x, x_shift) as ``F.linear(x - x_shift, ...)`` would form it, or
-    in ``acc`` when that is float64 and wider (a float64 bias, weight or gradient asks for float64)."""
-    if x_shift is None:
-        return x
-    if acc == torch.float64 and torch.promote_types(x.dtype, x_shift.dtype) != acc:
-        return x.to(acc) - x_shift.to(acc)
-    return x - x_shift
-
-
 def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
     """[B, K] in promote(x, weight, bias, x_shift): the selected entries of F.linear(x - x_shift, weight,
     bias); a copy of ``values`` when the caller already has them."""
@@ -818,7 +809,7 @@ def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
         return values.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
     bias = _contiguous(bias)
     acc = acc_dtype(x, weight, bias, x_shift)
-    return row_dot(indices, weight, _shifted(x, x_shift, acc), bias, out_dtype, acc)
+    return row_dot(indices, weight, shifted(x, x_shift, acc), bias, out_dtype, acc)
 
 
 def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, need_bias, need_shift):
@@ -845,20 +836,21 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     segments = None
     if need_weight or need_sums:
         segments = feature_segments(indices, F)
-        rows = _shifted(x, x_shift, acc) if need_weight else x[:, :0]  # sums alone: the same pass with no columns
+        rows = shifted(x, x_shift, acc) if need_weight else x[:, :0]  # sums alone: the same pass with no columns
         gw = weight_grad(indices, rows, grad, F, weight.dtype, wsum=sums if need_sums else None, segments=segments)
         if need_weight:
             grad_weight = gw
     if need_shift and not need_x:  # in the weight's dtype, or float64 (a float64 copy of the weight) when asked
         mv_dtype = acc if acc == torch.float64 else weight.dtype
-        if mv_dtype == torch.float16:
-            # float16's range: the per-feature sums can pass 65504 where the gradient fits, so they
-            # enter the product scaled to a largest magnitude of 1 (no host sync)
-            top = sums.abs().amax()
-            top = torch.where(top > 0, top, torch.ones_like(top))
-            grad_shift = torch.mv(weight.t(), (sums / top).to(mv_dtype)).to(acc).mul_(top).neg_()
-        else:
-            grad_shift = torch.mv(weight.t().to(mv_dtype), sums.to(mv_dtype)).to(acc).neg_()
+        with torch.autocast(x.device.type, enabled=False):  # CUDA autocast runs mv in its 16-bit dtype
+            if mv_dtype == torch.float16:
+                # float16's range: the per-feature sums can pass 65504 where the gradient fits, so
+                # they enter the product scaled to a largest magnitude of 1 (no host sync)
+                top = sums.abs().amax()
+                top = torch.where(top > 0, top, torch.ones_like(top))
+                grad_shift = torch.mv(weight.t(), (sums / top).to(mv_dtype)).to(acc).mul_(top).neg_()
+            else:
+                grad_shift = torch.mv(weight.t().to(mv_dtype), sums.to(mv_dtype)).to(acc).neg_()
         # an out-of-range index (index checks off) falls in no feature's segment, so the sums leave
         # it out; grad_shift depends on it (its row of grad_x is NaN), so it is NaN, as when x
         # requires grad. Read from the segment bounds on the device: no host sync.

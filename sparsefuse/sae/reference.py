@@ -162,6 +162,16 @@ def hierarchical_sae_loss_bwd(grad_loss, indices, weight, vals, bias, target, et
     return grad_vals, grad_weight, grad_bias
 
 
+def shifted(x, x_shift, acc):
+    """x - x_shift, formed in promote(x, x_shift) as ``F.linear(x - x_shift, ...)`` would form it, or
+    in ``acc`` when that is float64 and wider (a float64 bias, weight or gradient asks for float64)."""
+    if x_shift is None:
+        return x
+    if acc == torch.float64 and torch.promote_types(x.dtype, x_shift.dtype) != acc:
+        return x.to(acc) - x_shift.to(acc)
+    return x - x_shift
+
+
 def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
     check_index_range("indices", indices, weight.shape[0])
     out_dtype = x.dtype
@@ -171,7 +181,7 @@ def sparse_linear_fwd(x, weight, indices, bias, x_shift, values):
     if values is not None:
         return values.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
     dt = acc_dtype(x, weight, bias, x_shift)
-    xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
+    xc = shifted(x, x_shift, dt).to(dt)
     out = torch.einsum("bd,bkd->bk", xc, _rows(weight, indices).to(dt))
     if bias is not None:
         out = out + _rows(bias[:, None], indices)[..., 0].to(dt)
@@ -187,7 +197,7 @@ def sparse_linear_bwd(grad, x, indices, weight, x_shift, need_x, need_weight, ne
     grad_shift = -gx.sum(0) if need_shift else g.new_empty(0)
     grad_weight = weight.new_empty(0)
     if need_weight:
-        xc = x.to(dt) if x_shift is None else x.to(dt) - x_shift.to(dt)
+        xc = shifted(x, x_shift, dt).to(dt)
         per_entry = (g.unsqueeze(-1) * xc.unsqueeze(1)).reshape(indices.numel(), x.shape[-1])
         grad_weight = _scatter_rows(indices, per_entry, F).to(weight.dtype)
     grad_bias = _scatter_rows(indices, g.reshape(-1, 1), F)[:, 0] if need_bias else g.new_empty(0)
