@@ -469,8 +469,8 @@ def hierarchical_sae_loss(
     scattered with fp32 atomics (the summation order, and so the last bits, vary run to run) unless
     ``deterministic=True``, or ``deterministic=None`` (the default) under
     ``torch.use_deterministic_algorithms(True)`` (read when the loss is computed; an explicit
-    ``deterministic=False`` keeps the atomics even then), which stages the B*K gradient rows and reduces them in a fixed order instead (B*K*D
-    extra floats; for bf16 weights the rows are kept in bf16, a column chunk at a time, within the
+    ``deterministic=False`` keeps the atomics even then), which stages the B*K gradient rows and
+    reduces them in a fixed order instead (B*K*D extra floats; for bf16 weights the rows are kept in bf16, a column chunk at a time, within the
     bytes of an F x D fp32 buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D fp32 buffer and
     converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
 
