@@ -464,15 +464,16 @@ def hierarchical_sae_loss(
     so that prefix k is the k-sparse reconstruction. Same arguments, dtypes and B = 0 rule as
     :func:`topk_sae_loss`.
 
-    By default (fp32 weights) the forward reads the active decoder rows once and saves only
-    E_0 = sum_k e_k ([B, D] fp32); the backward reads them once more. The weight gradient is
-    scattered with fp32 atomics (the summation order, and so the last bits, vary run to run) unless
+    By default (fp32 weights) the forward reads the active decoder rows once and saves only E_0 =
+    sum_k e_k ([B, D] fp32); the backward reads them once more. The weight gradient is scattered
+    with fp32 atomics (the summation order, and so the last bits, vary run to run) unless
     ``deterministic=True``, or ``deterministic=None`` (the default) under
     ``torch.use_deterministic_algorithms(True)`` (read when the loss is computed; an explicit
     ``deterministic=False`` keeps the atomics even then), which stages the B*K gradient rows and
-    reduces them in a fixed order instead (B*K*D extra floats; for bf16 weights the rows are kept in bf16, a column chunk at a time, within the
-    bytes of an F x D fp32 buffer). A 16-bit weight's gradient is otherwise accumulated in an F x D fp32 buffer and
-    converted, or, for bf16 with B*K <= 2F, staged in one chunk as above.
+    reduces them in a fixed order instead (B*K*D extra floats; for bf16 weights the rows are kept in
+    bf16, a column chunk at a time, within the bytes of an F x D fp32 buffer). A 16-bit weight's
+    gradient is otherwise accumulated in an F x D fp32 buffer and converted, or, for bf16 with B*K
+    <= 2F, staged in one chunk as above.
 
     When a gradient will be wanted (grad mode on, weight or vals requiring grad) and the backward
     has a pass that can apply the incoming gradient (16-bit weights, deterministic mode with fp32,
