@@ -28,7 +28,7 @@ for rnd in range(3):
         for _ in range(20):
             step()
         n_cache = len(_launch._CACHE)
-        fwd, bwd, whole = [], [], []
+        fwd, bwd = [], []
         for _ in range(200):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -40,13 +40,8 @@ for rnd in range(3):
             t3 = time.perf_counter()
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t3 - t2) * 1e3)
-        for _ in range(200):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            whole.append((time.perf_counter() - t0) * 1e3)
         row = dict(round=rnd, dtype=dn, fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd),
-                   idle_step_ms=statistics.median(whole), pipelined_us=harness.host_us(step, 200),
+                   idle_step_ms=harness.idle_host_ms(step), pipelined_us=harness.host_us(step, 200),
                    cache_growth=len(_launch._CACHE) - n_cache)
         if rnd == 2:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

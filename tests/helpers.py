@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
 #: Relative error bound ||got - want|| / ||want|| against a float64 reference, per input dtype.
@@ -100,3 +104,11 @@ def end_spawned_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_without_interpreter(code: str) -> None:
+    """Run ``code`` in a fresh Python without TRITON_INTERPRET (CPU tensors then take the ops'
+    PyTorch reference path); it must print ``ok`` last."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]

@@ -4,7 +4,6 @@ CPU tier: the Triton kernels under the interpreter (conftest), float32 and float
 GPU tier (-m gpu): every dtype, real sizes, F*D > 2^31, bit-identity (compute-sanitizer: test_sanitize.py).
 """
 
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import sparsefuse
 from sparsefuse import compat
 from sparsefuse.sae import reference as ref
 
-from helpers import DEVICE, TOL, assert_close, assert_compile_parity, copy_strided
+from helpers import DEVICE, TOL, assert_close, assert_compile_parity, copy_strided, run_without_interpreter
 
 OPS = {
     "decode": (lambda i, w, v, b, t: sparsefuse.sae_decode(i, v, w, b), lambda i, w, v, b, t: ref.sae_decode(i, v, w, b)),
@@ -595,14 +594,6 @@ def test_matches_dense_torch_formula(op):
         assert_close(a, b, torch.float64, f"{op} {name}")
 
 
-def _run_without_interpreter(code):
-    """Run ``code`` in a fresh Python without TRITON_INTERPRET (CPU tensors then take the ops'
-    PyTorch reference path); it must print ``ok`` last."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
-
-
 def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
     """Without TRITON_INTERPRET, CPU tensors take reference.py's split forward / backward functions;
     test_cpu_reference_path_without_interpreter checks the two losses there, this checks the decode
@@ -651,7 +642,7 @@ def test_cpu_reference_path_of_decode_and_linear_without_interpreter():
         "assert out.item() == 999.5 and gw[0].tolist() == [999.5, 0.0], (out, gw)\n"
         "print('ok')\n"
     )
-    _run_without_interpreter(code)
+    run_without_interpreter(code)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -1128,7 +1119,7 @@ def test_compat_aliases():
     assert torch.equal(compat.triton_hierarchical_sae_loss(idx, weight, vals, bias, target),
                        sparsefuse.hierarchical_sae_loss(idx, weight, vals, bias, target))
     # the README names them sparsefuse.compat.*: reachable after a plain `import sparsefuse`
-    _run_without_interpreter("import sparsefuse\nsparsefuse.compat.triton_topk_sae_loss\n"
+    run_without_interpreter("import sparsefuse\nsparsefuse.compat.triton_topk_sae_loss\n"
                              "sparsefuse.compat.kd_loss_triton\nsparsefuse.compat.ema_update\nprint('ok')")
 
 
@@ -1184,7 +1175,7 @@ def test_cpu_reference_path_checks_indices_and_takes_d0_without_interpreter():
         "assert gx.shape == (B, 0) and gw.shape == (F, 0)\n"
         "print('ok')\n"
     )
-    _run_without_interpreter(code)
+    run_without_interpreter(code)
 
 
 def test_cpu_reference_path_without_interpreter():
@@ -1195,7 +1186,7 @@ def test_cpu_reference_path_without_interpreter():
         "assert check()\n"
         "print('ok')\n"
     )
-    _run_without_interpreter(code)
+    run_without_interpreter(code)
 
 
 def test_cpu_reference_path_poisons_unchecked_bad_indices():
@@ -1223,7 +1214,7 @@ def test_cpu_reference_path_poisons_unchecked_bad_indices():
         "        assert torch.isnan(gv[1, 1] if name != 'linear' else gv[1]).all(), (name, bad)\n"
         "print('ok')\n"
     )
-    _run_without_interpreter(code)
+    run_without_interpreter(code)
 
 
 def test_cpu_reference_path_sparse_linear_bias_with_unchecked_bad_indices():
@@ -1251,7 +1242,7 @@ def test_cpu_reference_path_sparse_linear_bias_with_unchecked_bad_indices():
         "    assert torch.equal(gb, want), (bad, gb, want)\n"
         "print('ok')\n"
     )
-    _run_without_interpreter(code)
+    run_without_interpreter(code)
 
 
 def test_bench_cli_without_gpu_runs_correctness_check():
