@@ -103,7 +103,9 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int) -> None:
     """Raise ``IndexError`` if any entry of ``idx`` lies outside ``[0, upper)`` (when checks are on)."""
     if idx.numel() == 0 or not index_checks_enabled(idx):
         return
-    bad = (idx < 0) | (idx >= upper)
+    bad = idx < 0
+    if upper <= torch.iinfo(idx.dtype).max:  # a larger bound wraps in idx's dtype: int32 >= 2**31 is >= -2**31
+        bad |= idx >= upper
     if bool(bad.any()):
         first = idx[bad].reshape(-1)[0].item()
         raise IndexError(f"{name} holds {first}, outside [0, {upper})")

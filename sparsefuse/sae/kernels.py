@@ -630,8 +630,8 @@ def _grads_finish_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Launchers. Inputs are already shape/dtype-checked by the public functions (ops.py); these make
-# the small operands contiguous (the weight is used through its strides, never copied), check the
-# index range, allocate, and launch.
+# the small operands contiguous (the weight is used through its strides, never copied, but with its
+# negative bit resolved: see _readable), check the index range, allocate, and launch.
 
 
 def _launch(fn, grid, *args, num_warps, **meta):
@@ -644,6 +644,13 @@ def _contiguous(t):
     return None if t is None else t.contiguous()
 
 
+def _readable(t):
+    """``t`` for a kernel that reads it in place through its strides: a lazily negated view (negative
+    bit set, as ``z.conj().imag`` of a complex tensor has) holds its values un-negated in storage, so
+    it is materialised; any other tensor comes back as it is (no copy)."""
+    return t.resolve_neg()
+
+
 def _weight_strides(weight: torch.Tensor):
     return weight.stride(0), weight.stride(1)
 
@@ -653,6 +660,7 @@ def decode_fwd(indices, vals, weight, bias):
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
+    weight = _readable(weight)
     out = torch.empty(B, D, device=vals.device, dtype=torch.promote_types(vals.dtype, weight.dtype))
     if B == 0 or D == 0:
         return out.zero_()
@@ -787,6 +795,7 @@ def row_dot(indices, weight, rows, fbias, out_dtype, acc):
     """out[b, k] = <rows[b], weight[indices[b, k]]> (+ fbias[indices[b, k]]), [B, K] in ``out_dtype``."""
     B, K = indices.shape
     F, D = weight.shape
+    weight = _readable(weight)
     out = torch.empty(B, K, device=rows.device, dtype=out_dtype)
     if B > 0:
         cfg = _gather_config(K, D, weight.element_size())
@@ -906,6 +915,7 @@ def topk_loss_fwd(indices, weight, vals, bias, target):
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
+    weight = _readable(weight)
     acc = acc_dtype(weight, vals, bias, target)
     P, cols, meta = _decode_launch(D, _decode_config(K, D, weight.element_size(), loss=True))
     parts = 1 if K > _DECODE_TILE_MAX_K else _gv_parts_kept(P, K, D)  # topk_gv_parts, from this P
@@ -980,6 +990,7 @@ def hierarchical_loss_fwd(indices, weight, vals, bias, target):
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
+    weight = _readable(weight)
     acc = acc_dtype(weight, vals, bias, target)
     etot = torch.empty(B, D, device=vals.device, dtype=acc)
     if B == 0 or D == 0:
@@ -1066,6 +1077,7 @@ def hierarchical_loss_fwd_grads(indices, weight, vals, bias, target, need_weight
     B, K = indices.shape
     F, D = weight.shape
     check_index_range("indices", indices, F)
+    weight = _readable(weight)
     acc = acc_dtype(weight, vals, bias, target)
     mode, _, n_tiles = hierarchical_plan(B, K, F, D, weight.dtype, need_weight_grad, deterministic)
     shape, st_dtype = hierarchical_stage_shape(B, K, F, D, weight.dtype, acc, mode)
@@ -1121,6 +1133,7 @@ def hierarchical_loss_bwd(grad_loss, indices, weight, vals, bias, target, etot, 
     """
     B, K = indices.shape
     F, D = weight.shape
+    weight = _readable(weight)
     acc = etot.dtype
     c = 2.0 / max(B * K * D, 1)
     g = grad_loss.to(acc)
@@ -1338,6 +1351,7 @@ def row_topk(x: torch.Tensor, k: int, block: int = 0, num_warps: int = 0) -> tor
         return x.topk(k, dim=-1, sorted=True).indices
     if C & (C - 1) or cdiv(F, C) < k:  # (an override) fewer than k blocks would leave pick slots unwritten
         raise ValueError(f"block must be a power of two leaving at least k = {k} blocks of {F} columns, got {C}")
+    x = _readable(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
     NB, KP = next_pow2(cdiv(F, C)), next_pow2(k)
