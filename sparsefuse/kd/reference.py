@@ -258,7 +258,9 @@ def kd_topk_bwd(grad_loss, grad_tok, z, t, mask, scale, temperature):
     dt = scale.dtype
     _, _, corr, _ = slot_terms(z.to(dt) / temperature, t.to(dt), mask != 0, None, 0)
     f = _row_scale(grad_loss.to(dt), grad_tok, scale[0], z.shape[0]) * temperature
-    return (corr * f[:, None]).to(z.dtype)
+    # contiguous like the kernel's and the op's fake: corr takes the mask's layout (a column-major
+    # mask failed the compiled backward's stride check)
+    return (corr * f[:, None]).to(z.dtype).contiguous()
 
 
 def _gather(z, ids, valid):

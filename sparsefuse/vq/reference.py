@@ -325,6 +325,8 @@ def quantize_fwd(x, codes, codebook, beta):
 
 
 def quantize_bwd(grad_out, grad_loss, x, q, beta):
+    """grad_x, contiguous like the kernel's and the op's fake (elementwise ops keep x's layout: a
+    column-major x failed the compiled backward's stride check)."""
     dt = acc_dtype(x, q)
     g = (x.to(dt) - q.to(dt)) * (grad_loss.to(dt) * (2.0 * beta / max(x.numel(), 1))) + grad_out.to(dt)
-    return g.to(x.dtype)
+    return g.to(x.dtype).contiguous()
