@@ -134,6 +134,7 @@ def check_activations(x: Tensor, name: str = "activations", d_model: Optional[in
     """Validate ``[N, D]`` activations and return them as contiguous float32."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{name}: expected a tensor, got {type(x).__name__}")
+    x = x.detach()  # data: torch.save keeps requires_grad, and training would backpropagate into the set
     if x.layout != torch.strided or x.is_meta:  # sparse or meta tensors failed deep inside PyTorch
         raise ValueError(f"{name}: activations must be a dense tensor holding data, got layout {x.layout} on "
                          f"{x.device}")

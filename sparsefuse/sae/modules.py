@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -64,6 +65,16 @@ def _global_mean(t: Tensor) -> Tensor:
         dist.all_reduce(t)
         t = t / dist.get_world_size()
     return t
+
+
+def json_number(o):
+    """``json.dump``'s fallback for NumPy numbers in a config (``dead_tokens`` from ``np.arange``, a
+    ``float32`` learning rate), which it refused after the training they configured had run."""
+    if isinstance(o, numbers.Integral):
+        return int(o)
+    if isinstance(o, numbers.Real):
+        return float(o)
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
 
 
 def check_auxk_alpha(auxk_alpha) -> None:
@@ -320,7 +331,9 @@ class TopKSAE(nn.Module):
 
     @torch.no_grad()
     def record_firing(self, counts: Tensor, n_tokens: int) -> None:
-        """Advance the dead-latent clock by ``n_tokens`` and reset it for latents with ``counts > 0``."""
+        """Advance the dead-latent clock by ``n_tokens`` and reset it for latents with ``counts > 0``
+        (``counts [F]`` on the module's device; refused before the clock moves)."""
+        check_tensor("counts", counts, shape=(self.n_latents,), device=self.tokens_since_fired.device)
         self.tokens_since_fired.add_(n_tokens).masked_fill_(counts > 0, 0)
 
     @torch.no_grad()
@@ -358,6 +371,7 @@ class TopKSAE(nn.Module):
         bad = [kp for kp in ks if not isinstance(kp, int) or isinstance(kp, bool) or not 1 <= kp <= self.k]
         if bad:
             raise ValueError(f"ks must hold integers in [1, k] = [1, {self.k}], got {bad}")
+        ks = list(dict.fromkeys(ks))  # a k' listed twice summed its squared error twice (twice the FVU)
         mean = x.double().mean(0)
         total = float((x.double() - mean).square().sum())
         if not total > 0:
@@ -378,7 +392,7 @@ class TopKSAE(nn.Module):
         from safetensors.torch import save_file
 
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
-        save_file(tensors, path, metadata={"sparsefuse.TopKSAE": json.dumps(self.config)})
+        save_file(tensors, path, metadata={"sparsefuse.TopKSAE": json.dumps(self.config, default=json_number)})
 
     @classmethod
     def load(cls, path: str, device=None) -> "TopKSAE":

@@ -28,7 +28,7 @@ import torch
 
 from .._validate import check_positive_int
 from .data import expected_active, load_activations, synthetic_activations
-from .modules import TopKSAE, check_auxk_alpha
+from .modules import TopKSAE, check_auxk_alpha, json_number
 
 __all__ = ["TrainConfig", "RunResult", "train_sae", "feature_recovery", "plot_runs"]
 
@@ -409,7 +409,7 @@ def _write_outputs(cfg: TrainConfig, runs: dict, shape, log) -> None:
             "history": run.history, "seconds": run.seconds,
         }
     with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
+        json.dump(metrics, f, indent=1, default=json_number)
     path = plot_runs(metrics, os.path.join(cfg.out, "sae.png")) if cfg.plot else None
     if path:
         written.add("sae.png")
