@@ -130,6 +130,8 @@ class VectorQuantizer(nn.Module):
         if isinstance(kmeans_iters, bool) or not isinstance(kmeans_iters, int) or kmeans_iters < 0:
             raise ValueError(f"kmeans_iters must be a non-negative int (0: the seeding rows only), "
                              f"got {kmeans_iters!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):  # k-means and restarts use it
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         super().__init__()
         self.dim, self.codebook_size = dim, codebook_size
         self.decay, self.semantics, self.eps = decay, semantics, eps
@@ -172,9 +174,10 @@ class VectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def kmeans_init_(self, x: Tensor) -> None:
-        """Initialise the state from k-means on ``x [B, D]``: codebook = centroids, N = max(count, 1),
-        S = N * centroid (so the first refresh keeps the centroids)."""
-        c, n = _kmeans(x.detach().reshape(-1, self.dim), self.codebook_size, self.kmeans_iters, cosine=self.cosine,
+        """Initialise the state from k-means on ``x [..., D]`` (rows of width ``dim``; another width is
+        refused, not regrouped): codebook = centroids, N = max(count, 1), S = N * centroid (so the
+        first refresh keeps the centroids)."""
+        c, n = _kmeans(_flatten(self, x).detach(), self.codebook_size, self.kmeans_iters, cosine=self.cosine,
                        precision=self.precision, generator=self.generator, process_group=self.process_group,
                        deterministic=self.deterministic)
         self._set_state(c, n)
@@ -211,7 +214,9 @@ class VectorQuantizer(nn.Module):
 class ResidualVQ(VectorQuantizer):
     """Residual VQ with ``num_levels`` codebooks: level l quantises what levels < l left over.
 
-    ``forward(x [..., D]) -> (quantized [..., D], codes [..., L] int64, loss [])``; ``loss`` is the
+    ``forward(x [..., D]) -> (quantized [..., D], codes [..., L] int64, loss [])``: ``quantized`` equals
+    the sum of the L chosen codebook rows (summed in float32, float64 for float64 x, then rounded
+    once to x's dtype) and passes gradients straight through to x; ``loss`` is the
     commitment weight times the mean over levels of ``mean((r_l - sg(q_l))^2)``. In training mode all
     L codebooks (stacked ``[L, K, D]`` state) are updated by one multi-level EMA call. Other
     arguments as for :class:`VectorQuantizer`; k-means initialisation runs level by level.
@@ -227,7 +232,7 @@ class ResidualVQ(VectorQuantizer):
 
     @torch.no_grad()
     def kmeans_init_(self, x: Tensor) -> None:
-        r = x.detach().reshape(-1, self.dim).to(acc_dtype(x))
+        r = _flatten(self, x).detach().to(acc_dtype(x))  # a wrong width raises, as in forward
         for level in range(self.num_levels):
             c, n = _kmeans(r, self.codebook_size, self.kmeans_iters, cosine=self.cosine, precision=self.precision,
                            generator=self.generator, process_group=self.process_group,
@@ -262,7 +267,10 @@ class ResidualVQ(VectorQuantizer):
             total = total + q
             resid = resid - q
         loss = loss * (self.commitment_weight / self.num_levels)
-        out = flat + (total.to(flat.dtype) - flat).detach()
+        # the value is exactly the sum of the chosen rows (what decoding the codes gives), the gradient
+        # x's: flat - flat.detach() is 0 in any dtype, where flat + (q - flat).detach() rounded twice
+        # (one ulp off in 16-bit x for most rows, and compiled graphs, which round once, disagreed)
+        out = total.to(flat.dtype) + (flat - flat.detach())
         codes = torch.stack(all_codes)  # [L, B]
         if self.training:
             vq_ema_update(torch.stack(inputs), codes, self.codebook, self.cluster_size, self.embed_sum,

@@ -181,6 +181,8 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
     if generator is not None:
         if compiling:
             raise ValueError(_GENERATOR_COMPILE)
+        if not isinstance(generator, torch.Generator):  # a seed passed as generator=1234 failed in .device
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if isinstance(codebook, Tensor) and generator.device.type != codebook.device.type:
             raise ValueError(f"generator is on {generator.device} but the codebook is on {codebook.device}")
     # Valid inputs pass these few comparisons (a few us of host time instead of ~15 through the
