@@ -387,6 +387,24 @@ def test_fully_masked_tokens_give_zero():
     assert loss == 0
 
 
+def test_teacher_outputs_from_inference_mode():
+    """What the README says of a teacher run under inference_mode: the gathered and logits forms
+    save the targets for the backward, which PyTorch refuses; cloned targets and the hidden form work."""
+    d = make(4, 3, 37, dtype=torch.float32, dup=False)
+    with torch.inference_mode():
+        ids, t = d["ids"].clone(), d["t"].clone()
+    z = leaf(d["z"])
+    for form in (lambda: sparsefuse.topk_kd_loss(z.gather(-1, ids.clone()), t),
+                 lambda: sparsefuse.topk_kd_loss_from_logits(z, ids, t)):
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+            form().backward()
+    sparsefuse.topk_kd_loss_from_logits(z, ids.clone(), t.clone()).backward()
+    h = torch.randn(4, 5, device=DEVICE, requires_grad=True)
+    w = torch.randn(37, 5, device=DEVICE, requires_grad=True)
+    sparsefuse.topk_kd_loss_from_hidden(h, w, ids, t).backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all() and torch.isfinite(z.grad).all()
+
+
 def test_axolotl_padding_equals_dropping_the_slots():
     """Padded slots (id 0, log-prob -1e9, mask 0) change nothing: same loss as the unpadded K."""
     d = make(6, 4, 37, dtype=torch.float64, dup=False)
