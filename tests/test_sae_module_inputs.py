@@ -102,3 +102,16 @@ def test_numpy_numbers_in_a_config_save_and_write_metrics(tmp_path):
     config = json.loads((out / "metrics.json").read_text())["config"]
     assert (config["lr"], config["dead_tokens"]) == (0.5, 4)
     assert TopKSAE.load(str(out / "sae.safetensors")).config["dead_tokens"] == 4
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(k_aux=2.5), "k_aux must be an int"), (dict(k_aux=True), "k_aux must be an int"),
+    (dict(dead_tokens=None), "dead_tokens must be an int"), (dict(dead_tokens=1.5), "dead_tokens must be an int"),
+    (dict(dead_tokens=-1), "dead_tokens must be an int >= 0"), (dict(dead_tokens=2**62), "below 2\\^62"),
+])
+def test_auxk_options_are_checked_when_the_module_is_built(kw, match):
+    """``k_aux=2.5`` built and was saved in the config, then failed at the first AuxK step with an error
+    naming ``k``; ``dead_tokens=None`` failed there comparing a tensor with None. Both are refused by
+    name when the module is built (NumPy integers are still taken: the config test above)."""
+    with pytest.raises(ValueError, match=match):
+        TopKSAE(8, 24, 3, **kw)

@@ -142,6 +142,13 @@ class TopKSAE(nn.Module):
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {list(ENCODERS)}, got {encoder!r}")
         check_auxk_alpha(auxk_alpha)
+        # whole numbers (NumPy's too): a float k_aux failed at the first AuxK step, naming k; a None
+        # dead_tokens failed there comparing a tensor with None
+        if k_aux is not None and (isinstance(k_aux, bool) or not isinstance(k_aux, numbers.Integral)):
+            raise ValueError(f"k_aux must be an int or None, got {k_aux!r}")
+        if (isinstance(dead_tokens, bool) or not isinstance(dead_tokens, numbers.Integral)
+                or not 0 <= dead_tokens < 2**62):
+            raise ValueError(f"dead_tokens must be an int >= 0 and below 2^62, got {dead_tokens!r}")
         self.config = dict(
             d_model=d_model, n_latents=n_latents, k=k, hierarchical=hierarchical,
             normalize_decoder=normalize_decoder, auxk_alpha=auxk_alpha,
