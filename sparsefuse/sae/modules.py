@@ -77,6 +77,14 @@ def json_number(o):
     raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
 
 
+def check_dead_tokens(dead_tokens) -> None:
+    """The dead-latent threshold in tokens: a whole number (NumPy's too) >= 0 and below 2^62 (1e23
+    overflowed a tensor; a float or None failed only at the first AuxK step)."""
+    if (isinstance(dead_tokens, bool) or not isinstance(dead_tokens, numbers.Integral)
+            or not 0 <= dead_tokens < 2**62):
+        raise ValueError(f"dead_tokens must be an int >= 0 and below 2^62, got {dead_tokens!r}")
+
+
 def check_auxk_alpha(auxk_alpha) -> None:
     """AuxK's weight: finite and >= 0 (inf trained a NaN model, NaN gave a NaN loss; 0 turns it off)."""
     if not (math.isfinite(auxk_alpha) and auxk_alpha >= 0):
@@ -142,13 +150,10 @@ class TopKSAE(nn.Module):
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {list(ENCODERS)}, got {encoder!r}")
         check_auxk_alpha(auxk_alpha)
-        # whole numbers (NumPy's too): a float k_aux failed at the first AuxK step, naming k; a None
-        # dead_tokens failed there comparing a tensor with None
+        # a whole number (NumPy's too): a float k_aux failed only at the first AuxK step, naming k
         if k_aux is not None and (isinstance(k_aux, bool) or not isinstance(k_aux, numbers.Integral)):
             raise ValueError(f"k_aux must be an int or None, got {k_aux!r}")
-        if (isinstance(dead_tokens, bool) or not isinstance(dead_tokens, numbers.Integral)
-                or not 0 <= dead_tokens < 2**62):
-            raise ValueError(f"dead_tokens must be an int >= 0 and below 2^62, got {dead_tokens!r}")
+        check_dead_tokens(dead_tokens)
         self.config = dict(
             d_model=d_model, n_latents=n_latents, k=k, hierarchical=hierarchical,
             normalize_decoder=normalize_decoder, auxk_alpha=auxk_alpha,

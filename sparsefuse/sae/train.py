@@ -28,7 +28,7 @@ import torch
 
 from .._validate import check_positive_int
 from .data import expected_active, load_activations, synthetic_activations
-from .modules import TopKSAE, check_auxk_alpha, json_number
+from .modules import TopKSAE, check_auxk_alpha, check_dead_tokens, json_number
 
 __all__ = ["TrainConfig", "RunResult", "train_sae", "feature_recovery", "plot_runs"]
 
@@ -338,8 +338,8 @@ def train_sae(cfg: Optional[TrainConfig] = None, log=print) -> dict:
         raise ValueError(f"eval_rows must be >= 2 (FVU needs the held-out rows' variance), got {cfg.eval_rows}")
     if cfg.lr is not None and not (0 < cfg.lr < 1e30):  # Adam accepts inf; 1e300 failed at the first step
         raise ValueError(f"lr must be finite and > 0 (below 1e30), got {cfg.lr}")
-    if cfg.dead_tokens is not None and not 0 <= cfg.dead_tokens < 2**62:  # 1e23 overflowed a tensor
-        raise ValueError(f"dead_tokens must be >= 0 and below 2^62, got {cfg.dead_tokens}")
+    if cfg.dead_tokens is not None:
+        check_dead_tokens(cfg.dead_tokens)  # before the data is read (TopKSAE checks it when built)
     if not 0 <= cfg.seed < 2**63:  # -1 and 2^63 - 1 seed the same generator; 2^64 - 1 overflowed
         raise ValueError(f"seed must lie in [0, 2^63), got {cfg.seed}")
     check_auxk_alpha(cfg.auxk_alpha)  # before the data is read (TopKSAE checks it when built)

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from .._dtypes import acc_dtype
 from .._validate import check_number, check_positive_int
-from .ops import batch_statistics, check_ema_options, check_precision, nearest_code, quantize, vq_ema_update
+from .ops import (batch_statistics, check_ema_options, check_generator, check_precision, nearest_code, quantize,
+                  vq_ema_update)
 
 
 def _kmeans(x: Tensor, num_codes: int, iters: int, *, cosine: bool, precision: str, generator, process_group,
@@ -130,8 +131,7 @@ class VectorQuantizer(nn.Module):
         if isinstance(kmeans_iters, bool) or not isinstance(kmeans_iters, int) or kmeans_iters < 0:
             raise ValueError(f"kmeans_iters must be a non-negative int (0: the seeding rows only), "
                              f"got {kmeans_iters!r}")
-        if generator is not None and not isinstance(generator, torch.Generator):  # k-means and restarts use it
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        check_generator(generator)  # k-means and restarts use it
         super().__init__()
         self.dim, self.codebook_size = dim, codebook_size
         self.decay, self.semantics, self.eps = decay, semantics, eps

@@ -138,6 +138,13 @@ def check_precision(precision) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
+def check_generator(generator) -> None:
+    """``generator``: a ``torch.Generator`` or None (also checked when a ``VectorQuantizer`` is built;
+    a seed passed as ``generator=1234`` failed in ``.device`` or inside ``torch.randperm``)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
 def check_ema_options(semantics, decay, eps, threshold=0.0, reset_cluster_size=None, restart_after_steps=0):
     """The EMA update's scalar options (also checked when a ``VectorQuantizer`` is built)."""
     if semantics not in SEMANTICS:
@@ -181,8 +188,7 @@ def _check_ema_inputs(x, codes, codebook, cluster_size, embed_sum, counters, sem
     if generator is not None:
         if compiling:
             raise ValueError(_GENERATOR_COMPILE)
-        if not isinstance(generator, torch.Generator):  # a seed passed as generator=1234 failed in .device
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        check_generator(generator)
         if isinstance(codebook, Tensor) and generator.device.type != codebook.device.type:
             raise ValueError(f"generator is on {generator.device} but the codebook is on {codebook.device}")
     # Valid inputs pass these few comparisons (a few us of host time instead of ~15 through the
