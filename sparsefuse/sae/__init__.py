@@ -1,4 +1,5 @@
-"""SAE decoders: the sparse embedding bag and the TopK / HierarchicalTopK reconstruction losses."""
+"""SAE ops: the sparse embedding bag and the TopK / HierarchicalTopK reconstruction losses (the
+decoder), and sparse_linear / topk (the encoder)."""
 
 from .ops import hierarchical_sae_loss, sae_decode, sparse_linear, topk, topk_sae_loss
 

@@ -350,7 +350,8 @@ class TopKSAE(nn.Module):
 
     @torch.no_grad()
     def normalize_decoder_(self) -> None:
-        """Scale every decoder row to unit norm (call after each optimiser step)."""
+        """Scale every decoder row to unit norm (call after each optimiser step); a no-op when the
+        module was built with ``normalize_decoder=False``."""
         if self.config["normalize_decoder"]:
             if self.decoder == "reference":
                 reference.unit_rows_(self.W_dec, None, 1e-12)
@@ -359,7 +360,8 @@ class TopKSAE(nn.Module):
 
     @torch.no_grad()
     def remove_parallel_grad_(self) -> None:
-        """Remove from ``W_dec.grad`` the component parallel to each (unit-norm) row (call before the step)."""
+        """Remove from ``W_dec.grad`` the component parallel to each (unit-norm) row (call before the
+        step); a no-op when the module was built with ``normalize_decoder=False``."""
         if self.config["normalize_decoder"] and self.W_dec.grad is not None:
             if self.decoder == "reference":
                 reference.unit_rows_(self.W_dec, self.W_dec.grad, 1e-12)

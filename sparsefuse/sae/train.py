@@ -38,8 +38,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class TrainConfig:
-    """Everything a training run needs. Defaults: the small synthetic run of the README (about a
-    minute on a 2-core CPU). ``data=None`` means the embedded synthetic set."""
+    """Everything a training run needs. Defaults: the small synthetic run of the README (well under
+    a minute on a 2-core CPU). ``data=None`` means the embedded synthetic set."""
 
     data: Optional[str] = None  #: activations file (.npy, .pt, .safetensors), [N, D]; None: synthetic
     losses: tuple = ("hierarchical",)  #: which SAEs to train ("topk", "hierarchical"), same data and init

@@ -241,7 +241,7 @@ def vq_ema_update(
 
     Args:
         x: ``[B, D]`` rows that were quantised (float32, bfloat16, float16 or float64; summed in
-            float32), or ``[L, B, D]`` for L residual levels updated together.
+            float32 by the kernels, in float64 for float64 x by the CPU reference path), or ``[L, B, D]`` for L residual levels updated together.
         codes: ``[B]`` / ``[L, B]`` int32/int64 code of each row, in ``[0, K)`` (see below for one
             outside it).
         codebook: ``[K, D]`` / ``[L, K, D]`` float32, contiguous; rewritten in place.
@@ -260,7 +260,8 @@ def vq_ema_update(
         eps: Laplace smoothing epsilon, or the floor on N for ``"active"``; must be positive.
         generator: ``torch.Generator`` on the codebook's device type for the restart rows (same
             state, same rows); None: the device's default generator. Not under ``torch.compile``:
-            a generator cannot enter a graph, so with ``fullgraph=True`` it raises ``ValueError``
+            a generator cannot enter a graph, so with ``fullgraph=True`` the call fails with
+            Dynamo's ``Unsupported`` error (a ``RuntimeError``) carrying this function's message
             (without, Dynamo runs the update in eager mode). With ``generator=None`` a compiled
             update draws its keys when the graph runs, from the default generator, as eager mode
             does: the same restart rows as eager from the same generator state, as long as the
