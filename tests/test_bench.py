@@ -2,6 +2,7 @@
 
 import math
 import time
+import types
 
 import pytest
 import torch
@@ -1038,3 +1039,337 @@ def test_sae_check_fails_a_nan_gradient(monkeypatch):
     lines = []
     assert sae.check(log=lines.append) is False
     assert "FAILED" in lines[0] and "nan" in lines[0], lines
+
+
+# Rare paths the session 52 mutation pass found untested (benchmarks/logs/mutation_session52_launch_harness.md).
+
+# --- measure() and the timing helpers ---------------------------------------------------------
+
+
+def _stub_timing(monkeypatch):
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, quantiles: [1.0, 2.0, 3.0])
+    monkeypatch.setattr(harness, "device_time", lambda fn, wall_ms: None)
+
+
+def test_a_peak_equal_to_the_results_size_is_not_a_misreading(monkeypatch):
+    """A call that allocates its result and nothing else peaks at exactly the result's size: that is
+    the expected reading, not one to flag in the table."""
+    _stub_timing(monkeypatch)
+    call_with = _stub_cuda_memory(monkeypatch, inputs_mib=10, temp_mib=0)
+    case = harness.Case(op="op", provider="sparsefuse", shape={"K": 8}, dtype="fp32", mode="fwd",
+                        make=lambda: (lambda: call_with(torch.zeros(2**20))))
+    res = harness.measure(case)
+    assert res.peak_extra_mib == pytest.approx(4.0) and "peak_below_results_mib" not in res.extra
+
+
+def test_result_bytes_count_the_whole_storage_of_a_view():
+    """A result that is a slice of a larger buffer holds the whole buffer."""
+    buf = torch.zeros(64)
+    assert harness._result_bytes(buf[:8]) == 64 * 4
+    assert harness._result_bytes([buf[8:16], buf[:8]]) == 64 * 4
+
+
+def test_measure_runs_the_measured_call_with_the_collector_off(monkeypatch):
+    """The peak is read from the call with the garbage collector disabled (a collection during it
+    would hand freed memory to its allocations), and the collector is on again afterwards."""
+    import gc
+
+    _stub_timing(monkeypatch)
+    call_with = _stub_cuda_memory(monkeypatch)
+    seen = []
+
+    def make():
+        def call():
+            seen.append(gc.isenabled())
+            return call_with(torch.zeros(16))
+        return call
+
+    harness.measure(harness.Case(op="op", provider="sparsefuse", shape={}, dtype="fp32", mode="fwd", make=make))
+    assert seen == [True, False] and gc.isenabled()
+
+
+def test_measure_without_byte_or_flop_counts_reports_no_rates(monkeypatch):
+    _stub_timing(monkeypatch)
+    call_with = _stub_cuda_memory(monkeypatch)
+    case = harness.Case(op="op", provider="sparsefuse", shape={}, dtype="fp32", mode="fwd",
+                        make=lambda: (lambda: call_with(torch.zeros(16))))
+    res = harness.measure(case)
+    assert res.gbps is None and res.tflops is None
+
+
+class _Clock:
+    """``harness.time`` with a clock that only the timed function moves."""
+
+    def __init__(self, monkeypatch):
+        self.t = 0.0
+        monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: self.t))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+
+def test_idle_host_ms_is_the_median_of_its_calls(monkeypatch):
+    clock = _Clock(monkeypatch)
+    costs = iter([0.001, 0.002, 0.001, 0.050, 0.003])
+
+    def fn():
+        clock.t += next(costs)
+
+    assert harness.idle_host_ms(fn, n=5) == pytest.approx(2.0)  # ms; the mean would read 11.4
+
+
+def test_host_us_is_microseconds_of_the_timed_calls_only(monkeypatch):
+    clock = _Clock(monkeypatch)
+    calls = [0]
+
+    def fn():
+        calls[0] += 1
+        clock.t += 1.0 if calls[0] <= 3 else 2e-6  # the warm-up calls are slow (compiling, say)
+
+    assert harness.host_us(fn, n=10, warmup=3) == pytest.approx(2.0)
+    assert calls[0] == 13
+
+
+def test_device_time_times_at_least_five_calls(monkeypatch):
+    """A 50 ms call: 100 ms / 50 ms is 2 calls, raised to the floor of 5 (a median of fewer is noise)."""
+    sim = _SimulatedGPU(monkeypatch, host_ms=0.01, gpu_ms=[0.25])
+    assert harness.device_time(sim.fn, 50.0) == pytest.approx(0.25)
+    assert sim.calls == [5]
+
+
+@pytest.mark.parametrize("clear_ms, rates, calls", [(0.5, (1000.0,), [20]), (0.6, (1000.0, 1500.0), [20, 20])],
+                         ids=["host-work-per-call", "clock-ramp-1.5x"])
+def test_device_time_sleep_covers_the_hosts_own_work_and_reads_a_clock_ramp(monkeypatch, clear_ms, rates, calls):
+    """Each call also costs the host an L2 flush and two event records besides ``fn``: the sleep is
+    sized with room for them (twice the calls' wall time), so a host-bound step (host time = wall
+    time) is timed in one try. A sleep two thirds as long as asked (clocks up 1.5x) is a clock
+    change, retried with the same number of calls, not a blocked host (half as many)."""
+    sim = _SimulatedGPU(monkeypatch, host_ms=1.0, gpu_ms=[0.25], rates=rates)
+
+    def clear_cache(cache):
+        sim.host += clear_ms
+
+    import triton as _triton
+
+    monkeypatch.setattr(_triton.runtime.driver.active, "clear_cache", clear_cache)
+    assert harness.device_time(sim.fn, 1.0) == pytest.approx(0.25)
+    assert sim.calls == calls
+
+
+# --- run_cases, save, tables, README, plots ---------------------------------------------------
+
+
+def test_run_cases_goes_on_after_a_case_runs_out_of_memory(monkeypatch):
+    """The eager reference can exceed the card at large K: that case is logged and left out, and
+    the cases after it (and its later rounds' companions) are still measured."""
+    def fake_measure(case):
+        if case.provider == "torch":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return _res(case.op, case.provider, case.shape, 1.0)
+
+    monkeypatch.setattr(harness, "measure", fake_measure)
+    monkeypatch.setattr(harness, "_warm_gpu", lambda case: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    cases = [harness.Case(op="op", provider=p, shape={"K": 8}, dtype="fp32", mode="full", make=lambda: None,
+                          rounds=2) for p in ("sparsefuse", "torch", "torch.compile")]
+    lines = []
+    got = harness.run_cases(cases, log=lines.append)
+    assert [r.provider for r in got] == ["sparsefuse", "torch.compile"]
+    assert sum("out of memory" in line for line in lines) == 2
+
+
+def test_a_forward_run_keeps_the_full_rows_of_another_run(tmp_path):
+    """A table row includes its mode: measuring an op forward-only must not drop its full-mode
+    results of an earlier run."""
+    shape = {"K": 8}
+    harness.save([_res("op", "sparsefuse", shape, 1.0, run="a"), _res("op", "torch", shape, 4.0, run="a")], "fam",
+                 str(tmp_path))
+    fwd = _res("op", "sparsefuse", shape, 0.4, run="b")
+    fwd.mode = "fwd"
+    harness.save([fwd], "fam", str(tmp_path))
+    got = {(r.provider, r.mode, r.ms) for r in harness.load("fam", str(tmp_path))}
+    assert got == {("sparsefuse", "full", 1.0), ("torch", "full", 4.0), ("sparsefuse", "fwd", 0.4)}
+
+
+def test_speedup_table_row_without_our_device_time():
+    """Our result saved before device times were measured, the baseline's with one: dashes, not a
+    crash on None."""
+    ours, comp = _res("op", "sparsefuse", {"K": 8}, 1.0), _res("op", "torch.compile", {"K": 8}, 3.0)
+    comp.device_ms = 2.9
+    row, = _table_rows(harness.speedup_table([ours, comp], baselines=("torch.compile",), device_baselines=("torch.compile",)))
+    assert row["sparsefuse device ms"] == "—" and row["vs torch.compile, device"] == "—"
+    assert row["vs torch.compile"] == "**3.00×**"
+
+
+def test_speedup_table_footer_names_the_gpu_of_every_provider_shown():
+    """Results saved before runs were recorded (run "") merge as one run: a row can hold a baseline
+    measured on another GPU, and the footer must name it."""
+    ours, base = _res("op", "sparsefuse", {"K": 8}, 1.0, gpu="H200"), _res("op", "torch", {"K": 8}, 2.0, gpu="H100")
+    assert "Measured on H100, H200;" in harness.speedup_table([ours, base])
+
+
+def test_update_readme_leaves_a_section_without_its_end_marker(tmp_path):
+    readme = tmp_path / "README.md"
+    text = "# t\n<!-- bench:sae -->\nold\nno end marker\n"
+    readme.write_text(text)
+    assert harness.update_readme("sae", "NEW", str(readme)) is False
+    assert readme.read_text() == text
+
+
+def test_publish_writes_the_family_markdown_and_a_forward_mode_plot(tmp_path):
+    """publish() writes the rendered text to ``<family>.md`` and plots the results of its mode (a
+    forward-only family, such as VQ's, got no PNG when the plot read mode "full")."""
+    rs = [_res("search", p, {"K": k}, ms)
+          for p, k, ms in (("sparsefuse", 8, 1.0), ("torch", 8, 2.0), ("sparsefuse", 16, 1.5))]
+    for r in rs:
+        r.mode = "fwd"
+    harness.publish("fam", "TABLE TEXT", rs, out_dir=str(tmp_path), readme="", title="t", x_key="K", mode="fwd")
+    assert (tmp_path / "fam.md").read_text() == "TABLE TEXT\n"
+    assert (tmp_path / "fam.png").stat().st_size > 0
+
+
+def test_plot_draws_a_panel_per_op_of_its_mode_only_and_ours_first(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    real = plt.subplots
+
+    def subplots(nrows, ncols, **kw):
+        panels.append(ncols)
+        return real(nrows, ncols, **kw)
+
+    monkeypatch.setattr(plt, "subplots", subplots)
+    rs = [_res("a", p, {"K": 8}, 1.0) for p in ("torch", "sparsefuse", "matmul")]  # matmul: KD's, sorts before ours
+    fwd_only = _res("b", "sparsefuse", {"K": 8}, 1.0)
+    fwd_only.mode = "fwd"
+    assert harness.plot(rs + [fwd_only], str(tmp_path / "p.png"), title="t", x_key="K") is not None
+    assert panels == [1]
+    _, bars, _ = harness._bars(rs, "K")
+    assert list(bars) == ["sparsefuse", "matmul", "torch"]  # ours first (the first colour in every panel)
+
+
+def test_rel_err_of_an_exact_zero_is_zero():
+    """A reference gradient that is exactly zero (and ours too) is a match, not 0/0 = NaN (which the
+    families' checks report as FAILED)."""
+    z = torch.zeros(3)
+    assert harness.rel_err([z, torch.ones(2)], [z, torch.ones(2)]) == 0.0
+    assert harness.rel_err([torch.full((3,), 1e-3)], [z]) > 1  # still an error against a zero reference
+
+
+# --- the SAE family: its inputs, cases and no-GPU check ---------------------------------------
+
+
+def test_sae_inputs_have_distinct_latents_sorted_by_activation():
+    """Each row's K latents are distinct and its values sorted largest first, as a TopK encoder
+    hands them over (repeated latents would time atomics on one row, and the Hierarchical loss's
+    prefixes depend on the order)."""
+    from sparsefuse.bench import sae
+
+    idx, weight, vals, bias, target = sae.make_inputs(9, 12, 16, 4, torch.float32, "cpu")
+    assert idx.dtype == torch.int32 and idx.shape == (9, 12) and vals.shape == (9, 12)
+    assert all(len(set(row.tolist())) == 12 for row in idx)
+    assert ((vals[:, :-1] >= vals[:, 1:]).all() and (vals[:, 0] > vals[:, -1]).all())
+    assert weight.shape == (16, 4) and bias.shape == (4,) and target.shape == (9, 4)
+
+
+def _sae_cases(monkeypatch):
+    from sparsefuse.bench import sae
+
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: f)
+    return sae.cases(quick=True)
+
+
+def test_sae_cases_cover_both_dtypes_in_the_same_rounds_ours_back_to_back(monkeypatch):
+    """Every (K, op) has each provider in fp32 and bf16, all timed in ROUNDS rounds (every provider
+    of a comparison alike), and our fp32 and bf16 cases run back to back (the targets compare them)."""
+    from sparsefuse.bench import sae
+
+    cases = _sae_cases(monkeypatch)
+    assert {c.rounds for c in cases} == {sae.ROUNDS} and sae.ROUNDS > 1
+    groups = {}
+    for c in cases:
+        groups.setdefault((c.shape["K"], c.op), []).append((c.provider, c.dtype))
+    assert set(groups) == {(K, op) for K in (32, 64, 128) for op in sae.OPS}
+    for order in groups.values():
+        assert order == [(p, d) for p in ("sparsefuse", "torch", "torch.compile") for d in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize("bad", ["first", "last"])
+def test_sae_check_fails_an_op_off_by_a_relative_1e4(monkeypatch, bad):
+    """The no-GPU check compares each op with the float64 reference (not with itself in float64) at
+    a tolerance of 1e-5: a loss 1e-4 too large fails it, whichever op it is."""
+    from sparsefuse.bench import sae
+    from sparsefuse.sae import reference
+
+    def off(idx, w, v, b, t):
+        return reference.topk_sae_loss(idx, w, v, b, t) * (1 + 1e-4)
+
+    ops = {"topk": (off if bad == "first" else reference.topk_sae_loss, reference.topk_sae_loss),
+           "hierarchical": (off if bad == "last" else reference.topk_sae_loss, reference.topk_sae_loss)}
+    monkeypatch.setattr(sae, "OPS", ops)
+    lines = []
+    assert sae.check(log=lines.append) is False
+    assert ["FAILED" in line for line in lines] == [bad == "first", bad == "last"], lines
+
+
+def test_sae_table_shows_our_device_time_against_torch_compile(tmp_path):
+    """The SAE section compares device times with torch.compile's (the small-K steps are close to
+    host-bound, so the do_bench ratio alone understates the kernels)."""
+    from sparsefuse.bench import sae
+
+    shape = dict(B=4096, K=32, F=65536, D=2304)
+    rs = [_res("topk", "sparsefuse", shape, 1.0), _res("topk", "torch.compile", shape, 3.0)]
+    rs[0].device_ms, rs[1].device_ms = 0.5, 2.0
+    harness.save(rs, "sae", str(tmp_path))
+    row, = _table_rows(sae.render(str(tmp_path), readme=""))
+    assert row["sparsefuse device ms"] == "0.500" and row["vs torch.compile, device"] == "4.00×"
+
+
+def test_a_zero_device_time_reads_as_not_measured():
+    """A device time of 0 (events around a call that queued no GPU work) gives dashes in the table
+    and no device ratio in the SAE ratio lines, not a division by zero."""
+    from sparsefuse.bench import sae
+
+    shape = dict(B=4096, K=32, F=65536, D=2304)
+    ours, comp = _res("topk", "sparsefuse", shape, 1.0), _res("topk", "torch.compile", shape, 3.0)
+    ours.device_ms, comp.device_ms = 0.0, 2.0
+    row, = _table_rows(harness.speedup_table([ours, comp], baselines=("torch.compile",), device_baselines=("torch.compile",)))
+    assert row["sparsefuse device ms"] == "—" and row["vs torch.compile, device"] == "—"
+    hier = _res("hierarchical", "sparsefuse", shape, 1.5)
+    hier.device_ms = 1.0
+    assert "fp32 K=32: 1.50×\n" in sae._ratio_lines([ours, hier, _res("topk", "sparsefuse", shape, 0.9, "bf16")])
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+
+def test_bench_cli_refuses_an_unknown_family(monkeypatch, capsys):
+    import sparsefuse.bench
+    from sparsefuse import cli
+
+    monkeypatch.setattr(sparsefuse.bench, "family", lambda name: pytest.fail(f"ran family {name}"))
+    assert cli.main(["bench", "sae", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark family ['nope']" in err and "sae, vq, kd, sae_train" in err
+
+
+def test_bench_cli_defaults_to_every_family_and_honours_readme(monkeypatch):
+    """``sparsefuse bench`` with no family names every family; ``--readme`` picks the README whose
+    tables are rewritten (``''``: none), for a full run and a quick one alike."""
+    import sparsefuse.bench
+    from sparsefuse import cli
+
+    rendered = []
+    monkeypatch.setattr(sparsefuse.bench, "family", lambda name: types.SimpleNamespace(
+        render=lambda out, readme: rendered.append((name, out, readme))))
+    assert cli.main(["bench", "--render"]) == 0
+    assert [name for name, _, _ in rendered] == list(sparsefuse.bench.FAMILIES)
+    rendered.clear()
+    assert cli.main(["bench", "sae", "--render", "--readme", "OTHER.md"]) == 0
+    assert cli.main(["bench", "sae", "--render", "--readme", ""]) == 0
+    assert cli.main(["bench", "sae", "--render", "--quick", "--readme", "OTHER.md"]) == 0
+    assert rendered == [("sae", harness.RESULTS_DIR, "OTHER.md"), ("sae", harness.RESULTS_DIR, ""),
+                        ("sae", harness.QUICK_DIR, "OTHER.md")]

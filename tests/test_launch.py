@@ -782,3 +782,115 @@ def test_backward_under_functorch_vmap_is_refused(op):
     batch = torch.stack([torch.ones_like(out), 2 * torch.ones_like(out)])
     with pytest.raises(NotImplementedError, match="sparsefuse ops have no batched backward"):
         torch.vmap(lambda g: torch.autograd.grad(out, p, g, retain_graph=True)[0])(batch)
+
+
+# Rare paths the session 52 mutation pass found untested (benchmarks/logs/mutation_session52_launch_harness.md).
+
+# --- the cached launcher ---------------------------------------------------------------------
+
+
+def _compiled(fn):
+    """Per launch of an ``_OptsJIT``: True where it compiled (went through ``fn[grid]``)."""
+    return [h is None for h in fn.hooks]
+
+
+def test_cached_launch_keeps_apart_pointers_aligned_to_8_but_not_16_bytes(fast_path):
+    """Triton specialises a pointer on 16-byte alignment; a kernel compiled for an aligned pointer
+    and reused for one 8 bytes past it would issue misaligned vector loads on a GPU."""
+    x = torch.zeros(16)
+    d = torch.zeros(16, dtype=torch.float64)
+    fn = _FakeJIT(["p", "a", "BLOCK"], nospec=set(), n_constexpr=1)
+    _launch_all(fn, [(x,), (x[2:],), (x,), (x[2:],), (d,), (d[1:],), (d[2:],), (d[1:],)])
+
+
+def test_cached_launch_reuses_its_kernel_for_new_values_of_one_specialisation(fast_path):
+    """One kernel for every value of a ``do_not_specialize`` integer and for values of a specialised
+    one that Triton types alike (3, 5, 1001; two floats): a key on the value would compile per
+    batch size (and grow the cache without bound)."""
+    fn = _OptsJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
+    ptr = _Ptr()
+    for n, s in ((3, 5), (5, 7), (1001, 2**20 + 3), (7, 16), (3, 1)):
+        _launch.launch(fn, (3,), (ptr, n, s), dict(BLOCK=64), 4)
+    for eps in (0.5, 2.5, 1e-6):
+        _launch.launch(fn, (3,), (ptr, 3, eps), dict(BLOCK=64), 4)
+    assert _compiled(fn) == [True, False, False, False, False, True, False, False]
+    for _, kernel_spec, args_spec in fn.launched:
+        assert kernel_spec == args_spec
+
+
+def test_cached_launch_compiles_once_per_device(fast_path):
+    """A kernel loaded on device 0 is not launched on device 1 (its module lives in device 0's
+    context): each device gets its own cache entry."""
+    fn = _OptsJIT(["p", "n", "BLOCK"], nospec=set(), n_constexpr=1)
+    ptr = _Ptr()  # one object (a non-tensor object's key is the object), moved between devices
+    for dev in (0, 1, 1, 0):
+        ptr.device = dev
+        _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK=64), 4)
+    assert _compiled(fn) == [True, True, False, False]
+    assert fn.kernels[2] is fn.kernels[1] and fn.kernels[3] is fn.kernels[0]
+
+
+def test_cached_launch_passes_constexprs_in_the_signature_order(fast_path):
+    """``meta`` given in another order than the kernel's signature: the cached launch hands the
+    constexprs over by name, as ``JITFunction.run`` binds them."""
+    fn = _FakeJIT(["p", "n", "BLOCK_A", "BLOCK_B"], nospec=set(), n_constexpr=2)
+    ptr = _Ptr()
+    for _ in range(2):  # compiled, then cached
+        _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK_B=32, BLOCK_A=64), 4)
+    assert len(fn.launched) == 2
+    for _, kernel_spec, args_spec in fn.launched:
+        assert kernel_spec == args_spec
+        assert args_spec[2:] == (("constexpr", 64), ("constexpr", 32))
+
+
+def test_cached_launch_of_a_two_dimensional_grid(fast_path):
+    fn = _FakeJIT(["p", "n", "s", "BLOCK"], nospec={"s"}, n_constexpr=1)
+    _launch_all(fn, [(8, 3), (8, 3), (8, 3)], grid=(2, 3))
+    assert [g for g, _, _ in fn.launched] == [(2, 3, 1)] * 3
+
+
+def test_cached_launch_calls_a_hook_assigned_as_a_plain_function(fast_path, monkeypatch):
+    """``knobs.runtime.launch_enter_hook = f`` (a function, not a HookChain with ``calls``) is a hook
+    too: the cached launch passes it with the launch metadata, as Triton's own launch would."""
+    fn = _OptsJIT(["p", "n", "BLOCK"], nospec=set(), n_constexpr=1)
+    ptr = _Ptr()
+    _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK=64), 4)  # compiled
+    hook = lambda metadata: None  # noqa: E731
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    _launch.launch(fn, (3,), (ptr, 8), dict(BLOCK=64), 4)
+    meta, enter, _ = fn.hooks[-1]
+    assert meta == "metadata" and enter is hook
+
+
+def test_tuned_launch_uses_the_picks_grid_warps_and_stages(fast_path, monkeypatch):
+    """After tuning, launch_tuned launches the autotuner's pick itself: the grid computed from the
+    pick's block size, and the pick's num_warps and num_stages (another pair is another kernel)."""
+    monkeypatch.setattr(_launch, "_TUNED", {})
+    fn = _OptsJIT(["p", "n", "BLOCK"], nospec=set(), n_constexpr=1)
+
+    class Tuner:
+        best_config = None
+
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid_fn):
+            def run(*args, **meta):
+                self.best_config = triton.Config(dict(BLOCK=32), num_warps=8, num_stages=3)
+            return run
+
+    tuner, ptr = Tuner(fn), _Ptr()
+    for _ in range(3):  # tuned, then compiled through launch(), then cached
+        _launch.launch_tuned(tuner, lambda meta: (_launch.cdiv(100, meta["BLOCK"]),), (ptr, 100), {}, ("t", 100))
+    assert _compiled(fn) == [True, False]
+    assert [g for g, _, _ in fn.launched] == [(4, 1, 1)] * 2
+    assert fn.kernels[0].opts == (8, 3)
+    assert fn.launched[0][1][2] == ("constexpr", 32)
+
+
+def test_cdiv_and_next_pow2_at_their_edges():
+    assert [_launch.cdiv(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    ns = (-3, 0, 1, 2, 3, 4, 5, 64, 65, 2**31)
+    assert [_launch.next_pow2(n) for n in ns] == [1, 1, 1, 2, 4, 4, 8, 64, 128, 2**31]
+
+
