@@ -17,7 +17,7 @@ import sparsefuse
 from sparsefuse import compat
 from sparsefuse.kd import reference as ref
 
-from helpers import DEVICE, TOL, assert_close, need_gpu_memory
+from helpers import DEVICE, assert_close, need_gpu_memory
 
 NORMS = ["topk", "full", "tail"]
 
@@ -1709,3 +1709,46 @@ def test_empty_batch(normalize):
     assert loss == 0 and gh.shape == (0, 12) and (gw == 0).all()
     zk = leaf(d["z"][:0, :3])
     assert sparsefuse.topk_kd_loss(zk, t, m) == 0
+
+
+# Rare paths the session 52 mutation pass over KD and VQ found untested (benchmarks/logs/mutation_session52_kd_vq.md).
+
+
+def _kd_logits_kernels_and_reference(z, ids, t, m, normalize):
+    """(tok, grad z) of the logits form from the kernels and from the reference, incoming gradient 1."""
+    from sparsefuse.kd import kernels
+
+    code = ref.NORMALIZE[normalize]
+    one = torch.ones((), dtype=z.dtype, device=z.device)
+    out = []
+    for fwd, bwd in ((kernels.logits_fwd, kernels.logits_bwd), (ref.kd_logits_fwd, ref.kd_logits_bwd)):
+        _, tok, scale, lse, A, corr = fwd(z, ids, t, m, code, 1.0, 1, None, 1.0)
+        out.append((tok, bwd(one, None, z, ids, m, lse, A, corr, scale, code, 1.0)))
+    return out
+
+
+@pytest.mark.parametrize("normalize", ["full", "tail"])
+def test_kd_unmasked_padding_slots_on_a_minus_inf_logits_row(normalize):
+    """Padding positions whose student logits are all -inf and whose teacher slots are left unmasked:
+    token 1 keeps real teacher log-probs (A != 0, lse = -inf: its loss and whole gradient row are NaN),
+    token 2 has teacher log-probs of -inf (p = 0). Under "full" token 2 has A = P = 0, so the row
+    kernel skips the dense term everywhere, its slot columns included, and its gradient row is 0 as
+    in ``reference.dense_grad`` (the slot columns once added 0 * exp(-inf - -inf) = NaN). Token 3 (p =
+    0 on a finite row) and token 0 (ordinary) are unaffected."""
+    g = torch.Generator().manual_seed(3)
+    N, K, V = 4, 3, 11
+    z = torch.randn(N, V, generator=g, dtype=torch.float64).to(DEVICE)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)]).to(DEVICE)
+    t = (torch.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1) - 0.2).to(DEVICE)
+    m = torch.ones(N, K, dtype=torch.bool, device=DEVICE)
+    z[1] = -math.inf
+    z[2] = -math.inf
+    t[2] = -math.inf
+    t[3] = -math.inf
+    (tok, gz), (tok_ref, gz_ref) = _kd_logits_kernels_and_reference(z, ids, t, m, normalize)
+    torch.testing.assert_close(tok, tok_ref, rtol=1e-9, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(gz, gz_ref, rtol=1e-9, atol=1e-12, equal_nan=True)
+    assert torch.isnan(gz[1]).all()
+    assert torch.isfinite(gz[0]).all() and torch.isfinite(gz[3]).all()
+    if normalize == "full":
+        assert torch.equal(gz[2], torch.zeros_like(gz[2]))

@@ -13,6 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import sparsefuse
 from sparsefuse import compat
+from sparsefuse.sae import kernels
 from sparsefuse.sae import reference as ref
 
 from helpers import DEVICE, TOL, assert_close, assert_compile_parity, copy_strided, run_without_interpreter
@@ -1520,3 +1521,141 @@ def test_gradcheck_fp64_with_target(op):
 def test_torch_compile_fullgraph_parity_with_target(op):
     idx, weight, vals, bias, target = make(5, 3, 6, 8, torch.float32)
     assert_compile_parity(lambda w, v, b, t: LOSSES[op](idx, w, v, b, t), (weight, vals, bias, target))
+
+
+# Rare paths of the weight gradient's segmented sums that the session 52 mutation pass found untested
+# (benchmarks/logs/mutation_session52_sae_kernels.md).
+
+
+def _finite_close(got, want, dtype, what):
+    """Which entries are finite must agree (a +-inf of the reference may be NaN in ours, as in
+    test_zero_value_in_a_non_finite_row); the finite ones within dtype's tolerance."""
+    for name, a, b in zip(["value", "grad_weight", "grad_vals", "grad_bias"], got, want):
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite), f"{what} {name}: non-finite entries differ"
+        assert_close(a[finite], b[finite], dtype, f"{what} {name}")
+
+
+SEGMENTED_LOSSES = {
+    "topk": (sparsefuse.topk_sae_loss, ref.topk_sae_loss),
+    "hierarchical-fused-deterministic": (_hier_deterministic, ref.hierarchical_sae_loss),
+    "hierarchical-two-pass-deterministic": (lambda *a: _two_pass_hierarchical(*a, deterministic=True),
+                                            ref.hierarchical_sae_loss),
+}
+
+
+@pytest.mark.parametrize("path", ["feature_segments", "finish"])
+def test_zero_values_stay_when_any_gv_part_is_not_finite(path):
+    """An entry of value 0 leaves the segmented sum only if *every* gv part of it is finite. The
+    non-finite parts sit in the first and middle of three parts (not only the last), so a check that
+    kept only the last part's finiteness, or the first's, keeps the wrong entries."""
+    B, K, F, P = 6, 2, 4, 3
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, F, (B, K), generator=g).to(DEVICE)
+    vals = torch.zeros(B, K, dtype=torch.float64, device=DEVICE)
+    vals[5, 1] = 0.5
+    gv = torch.randn(P, B, K, generator=g, dtype=torch.float64).to(DEVICE)
+    gv[0, 0, 0], gv[1, 1, 1], gv[0, 2, 0], gv[1, 3, 0] = float("inf"), float("nan"), float("-inf"), float("inf")
+    if path == "feature_segments":
+        seg, order, _ = kernels.feature_segments(idx, F, (vals, gv))
+    else:
+        colsum = torch.zeros(3, dtype=torch.float64, device=DEVICE)
+        gc = torch.tensor(1.0, dtype=torch.float64, device=DEVICE)
+        _, _, (seg, order, _) = kernels._finish_grads(gv, colsum, gc, vals, torch.float64, idx, F)
+    kept = (vals != 0) | ~torch.isfinite(gv).all(0)
+    assert int(kept.sum()) == 5
+    got = sorted(order[int(seg[0]):int(seg[F])].tolist())
+    assert got == kept.reshape(-1).nonzero().reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("name", list(SEGMENTED_LOSSES))
+def test_strided_vals_with_zero_values(name):
+    """vals as a transposed view (the loss saves vals as given for its backward), rows padded with
+    zero values in their last slot. The zero test must read each entry's own value: read through
+    the storage's order, the padding of one slot falls on entries of other slots, whose gradient
+    rows would be left out."""
+    B, K, F, D = 5, 3, 7, 6
+    idx, weight, vals, bias, target = make(B, K, F, D, torch.float64)
+    vals[:, K - 1] = 0.0
+    vals_t = vals.t().contiguous().t()
+    assert not vals_t.is_contiguous() and torch.equal(vals_t, vals)
+    got = value_and_grads(SEGMENTED_LOSSES[name][0], idx, weight, vals_t, bias, target)
+    want = value_and_grads(SEGMENTED_LOSSES[name][1], idx, weight, vals, bias, target)
+    _finite_close(got, want, torch.float64, name)
+
+
+def test_zero_value_with_an_infinite_error_past_the_first_staged_chunk(monkeypatch):
+    """Staged weight-gradient rows reduced one column chunk at a time (mode 3, bf16 on a GPU; float32
+    stages here once _STAGE_DTYPES lists it): gv is whole only after the last chunk, so the zero
+    skip may only use it when one chunk covers every column. Latent (1, 2) has value 0 and a feature
+    of its own; target[1, 70] is infinite, in the second of two 64-column tiles. Its weight-gradient
+    row must still bring 0 * inf = NaN into column 70. torch.empty gives zeros here (any contents are
+    possible: the NaN the suite fills it with would hide an early read of the unwritten tiles)."""
+    monkeypatch.setattr(kernels, "_STAGE_DTYPES", (torch.float32,))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(*a, **k))
+    B, K, F, D = 3, 4, 5, 80
+    assert kernels.hierarchical_plan(B, K, F, D, torch.float32, True, True) == (3, 1, 2)
+    idx, weight, vals, bias, target = make(B, K, F, D, torch.float32)
+    idx[idx == F - 1] = 0
+    idx[1, 2], vals[1, 2] = F - 1, 0.0
+    target[1, 70] = float("inf")
+    fn = lambda *a: sparsefuse.hierarchical_sae_loss(*a, deterministic=True)  # noqa: E731
+    got = value_and_grads(fn, idx, weight, vals, bias, target)
+    want = value_and_grads(ref.hierarchical_sae_loss, idx, *(t.double() for t in (weight, vals, bias, target)))
+    assert torch.isnan(got[1][F - 1, 70]) and (got[1][F - 1, :70] == 0).all()
+    _finite_close(got, want, torch.float32, "mode 3 in two chunks")
+
+
+@pytest.mark.parametrize("name", ["topk", "hierarchical-fused-deterministic", "hierarchical-two-pass-deterministic"])
+def test_every_segmented_weight_gradient_leaves_out_the_padding(monkeypatch, name):
+    """Rows padded with zero values at index 0 (README, "Rows with fewer active latents"): every
+    backward whose weight gradient is a segmented sum must hand it sort keys with the padding moved
+    to key F, which owns no segment, so that feature 0 does not get B * pad entries to walk (12x
+    the unpadded step on an H200 before the skip). The values cannot show this (a padded entry adds
+    +0), so the keys the sum receives are checked: the TopK backward and the fused Hierarchical
+    one write them in their finishing launch, the two-pass Hierarchical backward in its own pass."""
+    B, K, pad, F, D = 6, 3, 4, 7, 5
+    idx, weight, vals, bias, target = make(B, K + pad, F, D, torch.float64)
+    idx[:, K:], vals[:, K:] = 0, 0.0
+    seen = []
+    real = kernels.chunk_partials
+
+    def spy(sorted_keys, *args):
+        seen.append(sorted_keys.clone())
+        return real(sorted_keys, *args)
+
+    monkeypatch.setattr(kernels, "chunk_partials", spy)
+    got = value_and_grads(SEGMENTED_LOSSES[name][0], idx, weight, vals, bias, target)
+    want = value_and_grads(SEGMENTED_LOSSES[name][1], idx, weight, vals, bias, target)
+    _finite_close(got, want, torch.float64, name)
+    assert len(seen) == 1
+    assert int((seen[0] == F).sum()) == B * pad and int((seen[0] == 0).sum()) == int((idx[:, :K] == 0).sum())
+
+
+@pytest.mark.parametrize("name", ["decode", "hierarchical-two-pass-deterministic"])
+def test_weight_gradient_of_more_entries_than_one_key_block(name):
+    """B * K = 1050 entries: the sort keys of int64 indices are written by a pass of 1024-entry blocks
+    (``_segment_keys_kernel``), so the entries past the first block need a second program."""
+    B, K, F, D = 35, 30, 7, 3
+    assert B * K > kernels._KEYS_BLOCK and B * K % kernels._KEYS_BLOCK
+    idx, weight, vals, bias, target = make(B, K, F, D, torch.float64)
+    if name == "decode":
+        w = weight.clone().requires_grad_()
+        grad = torch.randn(B, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+        (got,) = torch.autograd.grad(sparsefuse.sae_decode(idx, vals, w), w, grad)
+        (want,) = torch.autograd.grad(ref.sae_decode(idx, vals, w), w, grad)
+        assert_close(got, want, torch.float64, "decode grad_weight")
+    else:
+        got = value_and_grads(SEGMENTED_LOSSES[name][0], idx, weight, vals, bias, target)
+        want = value_and_grads(SEGMENTED_LOSSES[name][1], idx, weight, vals, bias, target)
+        _finite_close(got, want, torch.float64, name)
+
+
+def test_two_pass_deterministic_backward_of_an_empty_batch():
+    """B = 0 on the two-pass deterministic path (the registered op called as it is: the public
+    function fuses this case): no gv exists to skip zero values with, and every gradient is zero."""
+    idx, weight, vals, bias, target = make(0, 3, 5, 4, torch.float64)
+    got = value_and_grads(lambda *a: _two_pass_hierarchical(*a, deterministic=True), idx, weight, vals, bias, target)
+    assert got[0].item() == 0.0
+    for g, p in zip(got[1:], (weight, vals, bias)):
+        assert g.shape == p.shape and torch.equal(g, torch.zeros_like(g))

@@ -5,6 +5,10 @@
   storage through the weight's strides, so every product with it took the wrong sign.
 * The index range check compared int32 indices with a bound of 2^31 or more, which PyTorch wraps
   into int32 (``i >= 2**31`` compares with -2^31): every valid index was refused.
+
+The last two tests close gaps the session 52 mutation pass found (the two-pass Hierarchical path
+with a negated weight; the range check at an int32 bound of 2^31 - 1 and for int64 past 2^31;
+``benchmarks/logs/mutation_session52_sae_kernels.md``).
 """
 
 import pytest
@@ -14,6 +18,7 @@ import sparsefuse
 from sparsefuse import _validate
 from sparsefuse._validate import check_index_range
 from sparsefuse.sae import reference as ref
+from sparsefuse.sae.ops import _hier_op
 
 from helpers import DEVICE, assert_close
 
@@ -95,5 +100,52 @@ def test_int32_index_range_check_with_a_bound_past_int32():
         assert sparsefuse.sae_decode(i32, vals, weight).shape == (1, 0)
         assert sparsefuse.topk_sae_loss(i32, weight, vals, None, torch.empty(1, 0, device=DEVICE)).item() == 0
         assert sparsefuse.hierarchical_sae_loss(i32, weight, vals, None, torch.empty(1, 0, device=DEVICE)).item() == 0
+    finally:
+        sparsefuse.set_index_checks(old)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hierarchical_two_pass_with_a_negated_weight_view(deterministic):
+    """The loss without a gradient (hierarchical_loss_fwd) and the two-pass backward
+    (hierarchical_loss_bwd) read the weight in place too: a lazily negated view must be read as its
+    values, not as its storage (the test above covers the fused path)."""
+    B, K, F, D = 3, 4, 5, 6
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, F, (B, K), generator=g).to(DEVICE)
+    vals, w, bias, target = (torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE)
+                             for s in ((B, K), (F, D), (D,), (B, D)))
+    weight = _neg_view(w)
+    want = ref.hierarchical_sae_loss(idx, w, vals, bias, target)
+    with torch.no_grad():
+        torch.testing.assert_close(sparsefuse.hierarchical_sae_loss(idx, weight, vals, bias, target), want)
+    v = vals.clone().requires_grad_()
+    loss = _hier_op(idx, weight, v, bias, target, deterministic)[0]
+    torch.testing.assert_close(loss, want)
+    v64 = vals.clone().requires_grad_()
+    (gv,) = torch.autograd.grad(loss, v)
+    (gv64,) = torch.autograd.grad(ref.hierarchical_sae_loss(idx, w, v64, bias, target), v64)
+    assert_close(gv, gv64, torch.float64, "grad_vals")
+
+
+def test_index_range_check_at_the_largest_int32_bound_and_past_int32_for_int64():
+    """The range test is skipped only where the bound cannot be held in the indices' dtype (it would
+    wrap). A bound of 2^31 - 1 fits int32, so int32 index 2^31 - 1 must still be refused; an int64
+    index past a bound of 2^31 or more must be refused too (the skip is for int32 only)."""
+    old = _validate._check_indices
+    sparsefuse.set_index_checks(True)
+    try:
+        top = torch.tensor([0, 2**31 - 1], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(IndexError, match="holds 2147483647, outside"):
+            check_index_range("indices", top, 2**31 - 1)
+        check_index_range("indices", top[:1], 2**31 - 1)
+        for upper in (2**31, 2**32 + 1):
+            big = torch.tensor([3, upper], dtype=torch.int64, device=DEVICE)
+            check_index_range("indices", big[:1], upper)
+            with pytest.raises(IndexError, match=f"holds {upper}, outside"):
+                check_index_range("indices", big, upper)
+        # through an op: a decoder of 2^31 rows and D = 0 holds no memory
+        weight = torch.empty(2**31, 0, device=DEVICE)
+        with pytest.raises(IndexError, match=f"holds {2**31}, outside"):
+            sparsefuse.sae_decode(torch.tensor([[1, 2**31]], device=DEVICE), torch.rand(1, 2, device=DEVICE), weight)
     finally:
         sparsefuse.set_index_checks(old)

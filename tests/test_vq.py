@@ -9,12 +9,13 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import sparsefuse
-from helpers import DEVICE, TOL, assert_close, assert_compile_parity, need_gpu_memory
+from helpers import DEVICE, assert_close, assert_compile_parity, need_gpu_memory
 from sparsefuse.compat import ema_update as compat_ema_update
 from sparsefuse.vq import (ResidualVQ, VectorQuantizer, batch_statistics, nearest_code, quantize, reference,
                            vq_ema_update)
@@ -2054,3 +2055,97 @@ def test_gpu_ema_update_offsets_past_2_31(L, deterministic, big_gpu):
     """batch_statistics and vq_ema_update (restarts included), bf16 x [L, B, 128] with L * B * 128 =
     2^31 + 2^19 (one level, or two whose second runs past 2^31): 8 GiB with the guard, ~10 GiB peak."""
     _run_big_ema(L, deterministic, _BIG_ROWS // L, _BIG_D, _BIG_GUARD, "cuda")
+
+
+# Rare paths the session 52 mutation pass found untested (benchmarks/logs/mutation_session52_sae_kernels.md).
+
+
+def test_ema_update_refuses_views_that_start_past_the_buffer_they_share():
+    """The fast path compares storages, not the views' first elements: x taken from the codebook's
+    rows 3..7, cluster_size from the middle of embed_sum, and counters from the middle of codes all
+    start at another address than the tensor they alias, and must still be refused."""
+    x, codes, cb, cs, es, cnt = make(12, 8, 4, used=3)
+    msg = "share memory, but the op rewrites some of them in place while it reads the others"
+    for args in ((cb[3:], codes[:5], cb, cs, es, cnt),
+                 (x, codes, cb, es.view(-1)[4:12], es, cnt),
+                 (x, codes, cb, cs, es, codes[2:10])):
+        with pytest.raises(ValueError, match=msg):
+            sparsefuse.vq_ema_update(*[a.clone() if a is x else a for a in args], semantics="laplace", threshold=1.0)
+
+
+def test_ema_update_under_fake_tensors_reads_no_data_pointer():
+    """Under FakeTensorMode the overlap check must not read the fakes' storage pointers (they are all
+    0; PyTorch warns that reading one "will error"): the fast path is for plain tensors only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = make(12, 8, 4, used=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            x, codes, cb, cs, es, cnt = (mode.from_tensor(t) for t in real)
+            sparsefuse.vq_ema_update(x, codes, cb, cs, es, cnt, semantics="active", restart_after_steps=2)
+
+
+# Rare paths the session 52 mutation pass over KD and VQ found untested (benchmarks/logs/mutation_session52_kd_vq.md).
+
+
+@pytest.mark.parametrize("num_codes", [1, 3])
+def test_vq_deterministic_statistics_of_a_crowded_last_code(num_codes):
+    """The deterministic statistics take each whole chunk of sorted rows that holds one code from the
+    chunk kernel's partial sums; the chunk kernel sums the chunks of codes in [0, K). The last code,
+    K - 1, holding whole chunks (130 rows at the default chunk of 64) must be summed like any other
+    (test_vq's crowded-code test crowds a middle code)."""
+    g = torch.Generator().manual_seed(5)
+    B, D = 130, 5
+    x = torch.randn(B, D, generator=g).to(DEVICE)
+    codes = torch.full((B,), num_codes - 1, dtype=torch.int64)
+    codes[:3] = torch.arange(3) % num_codes
+    codes = codes.to(DEVICE)
+    n, s = batch_statistics(x, codes, num_codes, deterministic=True)
+    want_n, want_s = reference.ema_accumulate(x[None].double(), codes[None], num_codes)
+    assert torch.equal(n, want_n[0].float())
+    torch.testing.assert_close(s, want_s[0].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_vq_cosine_search_with_a_zero_code():
+    """A zero codebook row under ``cosine=True``: its norm is clamped (1e-24 in the search, 1e-12 in the
+    backward), so its score is 0 (cos = 0, dist 2) instead of 0 / 0 = NaN. Unclamped, the NaN score
+    broke the minimum of the zero code's tile of 16 codes (under the interpreter the rows nearest codes
+    16, 18 and 19 got the zero code, and the rows that should get it got others).
+    Rows in the negative orthant against a positive codebook pick the zero code (every other cos < 0),
+    and ``dist``'s gradient there is 0 for the row and the code, as ``nearest_code``'s backward
+    documents, not NaN."""
+    g = torch.Generator().manual_seed(7)
+    K, D = 20, 4  # two code tiles of 16 under the interpreter; the zero code in the second
+    codebook = torch.rand(K, D, generator=g) + 0.1
+    codebook[17] = 0
+    x = torch.cat([codebook[[16, 18, 19, 3]] * 2.0,  # best codes in and out of the zero code's tile
+                   -(torch.rand(3, D, generator=g) + 0.1)])  # every cos < 0: the zero code
+    x, codebook = x.to(DEVICE).requires_grad_(), codebook.to(DEVICE).requires_grad_()
+    codes, dist = nearest_code(x, codebook, cosine=True)
+    want_codes, want_dist = reference.nearest_code(x.detach(), codebook.detach(), cosine=True)
+    assert codes.tolist() == want_codes.tolist() == [16, 18, 19, 3, 17, 17, 17]
+    torch.testing.assert_close(dist, want_dist, rtol=1e-5, atol=1e-5)
+    gx, gc = torch.autograd.grad(dist.sum(), [x, codebook])
+    assert torch.isfinite(gx).all() and torch.isfinite(gc).all()
+    assert torch.equal(gx[4:], torch.zeros_like(gx[4:])) and torch.equal(gc[17], torch.zeros_like(gc[17]))
+
+
+def test_vq_quantize_code_equal_to_k_without_index_checks():
+    """With index checks off a code outside [0, K) is never dereferenced and its row of ``out`` is NaN;
+    test_vq checks 1000 and -1, this the first code past the end, K itself. The codebook is the first
+    K rows of a larger buffer, so reading row K would return a real (finite) row."""
+    g = torch.Generator().manual_seed(11)
+    K, D = 5, 3
+    buf = torch.randn(K + 1, D, generator=g).to(DEVICE)
+    codebook = buf[:K]
+    x = torch.randn(6, D, generator=g).to(DEVICE)
+    codes = torch.tensor([0, 4, K, 2, 1, 3], device=DEVICE)
+    sparsefuse.set_index_checks(False)
+    try:
+        out, loss = quantize(x, codes, codebook, 0.5)
+    finally:
+        sparsefuse.set_index_checks(None)
+    ok = codes != K
+    assert out[2].isnan().all() and loss.isnan()
+    assert torch.equal(out[ok], codebook[codes[ok]])
