@@ -241,7 +241,8 @@ def vq_ema_update(
 
     Args:
         x: ``[B, D]`` rows that were quantised (float32, bfloat16, float16 or float64; summed in
-            float32 by the kernels, in float64 for float64 x by the CPU reference path), or ``[L, B, D]`` for L residual levels updated together.
+            float32 by the kernels, in float64 for float64 x by the CPU reference path), or
+            ``[L, B, D]`` for L residual levels updated together.
         codes: ``[B]`` / ``[L, B]`` int32/int64 code of each row, in ``[0, K)`` (see below for one
             outside it).
         codebook: ``[K, D]`` / ``[L, K, D]`` float32, contiguous; rewritten in place.
